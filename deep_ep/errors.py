@@ -1,0 +1,19 @@
+"""Exceptions the library raises on top of Python's own `ValueError`/`TypeError`."""
+
+from __future__ import annotations
+
+
+class EPError(RuntimeError):
+    """Base class of deep_ep's runtime errors (NCCL, CUDA driver, device faults)."""
+
+
+class EPTimeoutError(EPError):
+    """A device-side or host-side wait passed its deadline.
+
+    The message names the phase, this rank, the peer it waited for and the counter values. The
+    buffer that raised it is unusable afterwards: destroy it and create a new one.
+    """
+
+
+class NCCLError(EPError):
+    """An NCCL host call failed; the message carries NCCL's own error string."""
