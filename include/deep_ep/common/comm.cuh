@@ -1,0 +1,56 @@
+#pragma once
+
+// Cross-rank synchronisation over the symmetric window (LSA: plain loads/stores over NVLink).
+// Channel c of every rank pairs with channel c of every other rank through counting semaphores:
+// rank r signals peer p by adding 1 to p's semaphore [c][r], and waits until its own [c][p] is
+// positive, then takes the token back. Semaphores return to zero after every completed barrier,
+// so the workspace stays zeroed between kernels.
+
+#include <nccl_device.h>
+
+#include "fault.cuh"
+#include "layout.cuh"
+#include "ptx.cuh"
+
+namespace deep_ep {
+
+__device__ __forceinline__ int* workspace_semaphore(void* workspace, int channel, int src_rank) {
+    return reinterpret_cast<int*>(static_cast<char*>(workspace) + kSemaphoreOffset) + channel * kMaxRanks +
+           src_rank;
+}
+
+// Every thread of the CTA must call it. `peer_windows[r]` is rank r's window base (LSA pointer).
+// Returns false (on every thread) when a peer missed the deadline; the error is already recorded.
+template <int kNumRanks>
+__device__ __forceinline__ bool channel_barrier(void* const* peer_windows, int rank, int channel, int phase,
+                                                int64_t* error_block, uint64_t timeout_ns) {
+    bool ok = true;
+    __syncthreads();
+    if (threadIdx.x < kNumRanks) {
+        const int peer = threadIdx.x;
+        // Release everything this CTA wrote (to any rank) before the peer may read it.
+        fence_acq_rel_sys();
+        atomic_add_release_sys(workspace_semaphore(peer_windows[peer], channel, rank), 1);
+        int* mine = workspace_semaphore(peer_windows[rank], channel, peer);
+        const uint64_t deadline = global_timer_ns() + timeout_ns;
+        int observed;
+        while ((observed = ld_acquire_sys(mine)) < 1) {
+            if (has_error(error_block) || global_timer_ns() > deadline) {
+                report_timeout(error_block, phase, rank, peer, channel, observed, 1);
+                ok = false;
+                break;
+            }
+        }
+        if (ok) atomicAdd(mine, -1);
+    }
+    return __syncthreads_and(ok);
+}
+
+// LSA base pointers of every rank's window, gathered once per CTA into shared memory.
+template <int kNumRanks>
+__device__ __forceinline__ void load_peer_windows(ncclWindow_t window, void** smem_peer_windows) {
+    if (threadIdx.x < kNumRanks) smem_peer_windows[threadIdx.x] = ncclGetLsaPointer(window, 0, threadIdx.x);
+    __syncthreads();
+}
+
+}  // namespace deep_ep

@@ -1,0 +1,48 @@
+#pragma once
+
+// Byte layout of the symmetric window and of the token records that travel through it.
+// deep_ep/layout.py mirrors every constant here; a CPU test checks that the two agree.
+//
+//   window = [workspace | data region]
+//   workspace: per-CTA, per-source-rank counting semaphores, then per-source received counts
+//   data region: kNumRanks source blocks of `num_max_tokens_per_rank` slots each; a source owns
+//                its block in every destination, so it places tokens without asking anyone.
+//                Dispatch records and combine slots share the region: they are never live at once.
+
+#include <cstdint>
+
+#include "math.cuh"
+
+namespace deep_ep {
+
+constexpr int kMaxRanks = 64;
+constexpr int kMaxChannels = 256;  // CTAs of one communication kernel
+constexpr int64_t kSemaphoreOffset = 0;
+constexpr int64_t kRecvCountOffset = kSemaphoreOffset + int64_t(kMaxChannels) * kMaxRanks * sizeof(int);
+constexpr int64_t kWorkspaceBytes = 128 * 1024;
+static_assert(kRecvCountOffset + kMaxRanks * sizeof(int) <= kWorkspaceBytes, "workspace overflow");
+
+// One dispatched token: hidden bytes, scale bytes, then metadata (top-k ids as int32, top-k
+// weights as float, source token index), each part padded to 16 bytes for vector copies.
+template <int kHiddenBytes, int kNumScaleBytes, int kNumTopk>
+struct DispatchRecord {
+    static_assert(kHiddenBytes % 16 == 0, "hidden bytes must be a multiple of 16");
+    static constexpr int kScaleOffset = kHiddenBytes;
+    static constexpr int kMetaOffset = kScaleOffset + align_up(kNumScaleBytes, 16);
+    static constexpr int kTopkIdxOffset = kMetaOffset;
+    static constexpr int kWeightOffset = kTopkIdxOffset + kNumTopk * 4;
+    static constexpr int kSrcIdxOffset = kWeightOffset + kNumTopk * 4;
+    static constexpr int kBytes = kMetaOffset + align_up(kNumTopk * 8 + 4, 16);
+};
+
+// One combine slot: `kNumRows` BF16 rows (1, or one per local top-k lane without multiple
+// reduction), then the top-k weights of the token as seen by the holder rank.
+template <int kHidden, int kNumRows, int kNumTopk>
+struct CombineSlot {
+    static_assert(kHidden % 8 == 0, "hidden must be a multiple of 8");
+    static constexpr int kRowBytes = kHidden * 2;
+    static constexpr int kWeightOffset = kNumRows * kRowBytes;
+    static constexpr int kBytes = kWeightOffset + align_up(kNumTopk * 4, 16);
+};
+
+}  // namespace deep_ep

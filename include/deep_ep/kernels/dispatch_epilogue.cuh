@@ -1,0 +1,164 @@
+#pragma once
+
+// After dispatch, on the receiving rank: copy the records out of the window into the user's
+// tensors, in the plain layout (rows grouped by source rank, in source-token order) or the
+// expanded one (one row per (token, local expert), each expert's block aligned to
+// `expert_alignment`), and fill the handle's prefix sums and source metadata.
+// The order is fixed by the slots, so the output is deterministic by construction.
+
+#include "../common/fault.cuh"
+#include "../common/layout.cuh"
+#include "../common/math.cuh"
+#include "../common/ptx.cuh"
+
+namespace deep_ep {
+
+constexpr int kMaxLocalExperts = 1024;
+
+struct DispatchEpilogueArgs {
+    const char* window_base;
+    int num_max_tokens_per_rank;
+    int rank;
+    int num_experts_per_rank;
+    int expert_alignment;
+    int num_out_rows;       // rows allocated in recv_x (capacity; exact or worst case)
+    int64_t scale_col_stride;  // 0: row-major scales; else column-major with this row stride
+    int4* recv_x;
+    int* recv_scales;
+    int64_t* recv_topk_idx;    // plain layout only
+    float* recv_topk_weights;  // may be null
+    int* recv_src_metadata;    // [rows, 2 + topk]
+    int* psum_num_recv_tokens_per_rank;
+    const int* num_recv_tokens_per_expert;
+    int* psum_num_recv_tokens_per_expert;
+    const int* expand_rank_in_expert;  // fresh expanded dispatch: index inside the expert block
+    int is_cached;                     // reuse the expanded rows stored in recv_src_metadata
+    int do_zero_padding;
+    const int64_t* error_block;
+};
+
+template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kExpand>
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(DispatchEpilogueArgs args) {
+    using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
+    constexpr int kNumWarps = kNumThreads / 32;
+    constexpr int kHiddenVectors = kHiddenBytes / 16;
+    constexpr int kNumScaleInts = kNumScaleBytes / 4;
+    constexpr int kMetaCols = 2 + kNumTopk;
+    __shared__ int psum_src[kNumRanks + 1];
+    __shared__ int expert_offset[kMaxLocalExperts + 1];
+    if (has_error(args.error_block)) return;
+
+    const int num_local_experts = args.num_experts_per_rank;
+    const int* recv_counts = reinterpret_cast<const int*>(args.window_base + kRecvCountOffset);
+    if (threadIdx.x == 0) {
+        psum_src[0] = 0;
+        for (int s = 0; s < kNumRanks; ++s)
+            psum_src[s + 1] = psum_src[s] + min(recv_counts[s], args.num_max_tokens_per_rank);
+        expert_offset[0] = 0;
+        for (int e = 0; e < num_local_experts; ++e)
+            expert_offset[e + 1] =
+                expert_offset[e] + align_up(args.num_recv_tokens_per_expert[e], args.expert_alignment);
+    }
+    __syncthreads();
+    const int num_recv_tokens = psum_src[kNumRanks];
+
+    // Handle prefix sums
+    if (blockIdx.x == 0) {
+        if (threadIdx.x < kNumRanks) args.psum_num_recv_tokens_per_rank[threadIdx.x] = psum_src[threadIdx.x + 1];
+        for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads)
+            args.psum_num_recv_tokens_per_expert[e] =
+                kExpand ? expert_offset[e] + args.num_recv_tokens_per_expert[e] : expert_offset[e + 1];
+    }
+
+    const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
+    const int first_expert = args.rank * num_local_experts;
+
+    auto copy_row = [&](const char* record, int out_row) {
+        if (out_row >= args.num_out_rows) return;
+        const int4* src = reinterpret_cast<const int4*>(record);
+        int4* dst = args.recv_x + static_cast<int64_t>(out_row) * kHiddenVectors;
+        for (int i = lane_idx; i < kHiddenVectors; i += 32) dst[i] = src[i];
+        if constexpr (kNumScaleInts > 0) {
+            const int* src_scales = reinterpret_cast<const int*>(record + Record::kScaleOffset);
+            for (int i = lane_idx; i < kNumScaleInts; i += 32) {
+                const int64_t offset = args.scale_col_stride == 0
+                                           ? static_cast<int64_t>(out_row) * kNumScaleInts + i
+                                           : static_cast<int64_t>(i) * args.scale_col_stride + out_row;
+                args.recv_scales[offset] = src_scales[i];
+            }
+        }
+    };
+
+    for (int i = blockIdx.x * kNumWarps + warp_idx; i < num_recv_tokens; i += gridDim.x * kNumWarps) {
+        int s = 0;
+        while (psum_src[s + 1] <= i) ++s;
+        const char* record = args.window_base + kWorkspaceBytes +
+                             (static_cast<int64_t>(s) * args.num_max_tokens_per_rank + (i - psum_src[s])) *
+                                 Record::kBytes;
+        const int* record_topk = reinterpret_cast<const int*>(record + Record::kTopkIdxOffset);
+        const float* record_weights = reinterpret_cast<const float*>(record + Record::kWeightOffset);
+        const int src_token = *reinterpret_cast<const int*>(record + Record::kSrcIdxOffset);
+        int* meta = args.recv_src_metadata + static_cast<int64_t>(i) * kMetaCols;
+
+        const int expert = lane_idx < kNumTopk ? record_topk[lane_idx] : -1;
+        const bool is_local = expert >= first_expert and expert < first_expert + num_local_experts;
+        if constexpr (not kExpand) {
+            copy_row(record, i);
+            if (lane_idx < kNumTopk) {
+                args.recv_topk_idx[static_cast<int64_t>(i) * kNumTopk + lane_idx] = is_local ? expert - first_expert : -1;
+                if (args.recv_topk_weights != nullptr)
+                    args.recv_topk_weights[static_cast<int64_t>(i) * kNumTopk + lane_idx] = record_weights[lane_idx];
+                if (not args.is_cached) meta[2 + lane_idx] = -1;
+            }
+        } else {
+            int out_row = -1;
+            if (lane_idx < kNumTopk) {
+                if (args.is_cached)
+                    out_row = meta[2 + lane_idx];
+                else if (is_local)
+                    out_row = expert_offset[expert - first_expert] +
+                              args.expand_rank_in_expert[static_cast<int64_t>(i) * kNumTopk + lane_idx];
+            }
+            if (lane_idx < kNumTopk and not args.is_cached) meta[2 + lane_idx] = out_row;
+            uint32_t lanes = __ballot_sync(0xffffffff, out_row >= 0);
+            while (lanes != 0) {
+                const int k = __ffs(lanes) - 1;
+                lanes &= lanes - 1;
+                const int row = __shfl_sync(0xffffffff, out_row, k);
+                copy_row(record, row);
+                if (lane_idx == 0 and args.recv_topk_weights != nullptr and row < args.num_out_rows)
+                    args.recv_topk_weights[row] = record_weights[k];
+            }
+        }
+        if (lane_idx == 0 and not args.is_cached) {
+            meta[0] = s * args.num_max_tokens_per_rank + src_token;
+            meta[1] = s;
+        }
+    }
+
+    // Zero the alignment padding between expert blocks
+    if constexpr (kExpand) {
+        if (args.do_zero_padding) {
+            const int global_warp = blockIdx.x * kNumWarps + warp_idx, num_global_warps = gridDim.x * kNumWarps;
+            for (int e = 0; e < num_local_experts; ++e) {
+                const int pad_begin = expert_offset[e] + args.num_recv_tokens_per_expert[e];
+                for (int row = pad_begin + global_warp; row < expert_offset[e + 1] and row < args.num_out_rows;
+                     row += num_global_warps) {
+                    int4* dst = args.recv_x + static_cast<int64_t>(row) * kHiddenVectors;
+                    for (int i = lane_idx; i < kHiddenVectors; i += 32) dst[i] = make_int4(0, 0, 0, 0);
+                    if constexpr (kNumScaleInts > 0) {
+                        for (int i = lane_idx; i < kNumScaleInts; i += 32) {
+                            const int64_t offset = args.scale_col_stride == 0
+                                                       ? static_cast<int64_t>(row) * kNumScaleInts + i
+                                                       : static_cast<int64_t>(i) * args.scale_col_stride + row;
+                            args.recv_scales[offset] = 0;
+                        }
+                    }
+                    if (lane_idx == 0 and args.recv_topk_weights != nullptr) args.recv_topk_weights[row] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+}  // namespace deep_ep
