@@ -1,0 +1,1 @@
+"""NCCL plumbing: the loaded library, communicators, symmetric windows, device communicators."""

@@ -1,0 +1,186 @@
+"""Typed kernel specs: which header, which template, which compile-time constants, which arguments.
+
+Each function returns a loaded `deep_ep.jit` kernel for one specialisation. Compile-time constants
+are the shape of the problem that never changes between steps (ranks, hidden bytes, scale bytes,
+top-k, rows per combine slot); token counts are runtime arguments, so a new batch size never
+recompiles. `warmup_specs()` lists the specialisations the tests and benchmarks use, for
+`deep-ep jit warmup` and for the CPU compile tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from .jit import KernelSpec, get_kernel
+from .paths import get_include_dir
+
+NUM_THREADS = 512
+NUM_LAYOUT_THREADS = 1024
+NUM_COUNT_THREADS = 1024
+
+_DISPATCH_PARAMS = (
+    "ncclDevComm", "ncclWindow_t", "const int4*", "const int*", "const int64_t*", "const float*", "const int*",
+    "const int*", "int", "int", "int", "int64_t*", "uint64_t",
+)  # fmt: skip
+
+
+class DispatchEpilogueArgs(ctypes.Structure):
+    """Mirror of `deep_ep::DispatchEpilogueArgs` (dispatch_epilogue.cuh), passed by value."""
+
+    _fields_ = [
+        ("window_base", ctypes.c_uint64),
+        ("num_max_tokens_per_rank", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("num_experts_per_rank", ctypes.c_int),
+        ("expert_alignment", ctypes.c_int),
+        ("num_out_rows", ctypes.c_int),
+        ("scale_col_stride", ctypes.c_int64),
+        ("recv_x", ctypes.c_uint64),
+        ("recv_scales", ctypes.c_uint64),
+        ("recv_topk_idx", ctypes.c_uint64),
+        ("recv_topk_weights", ctypes.c_uint64),
+        ("recv_src_metadata", ctypes.c_uint64),
+        ("psum_num_recv_tokens_per_rank", ctypes.c_uint64),
+        ("num_recv_tokens_per_expert", ctypes.c_uint64),
+        ("psum_num_recv_tokens_per_expert", ctypes.c_uint64),
+        ("expand_rank_in_expert", ctypes.c_uint64),
+        ("is_cached", ctypes.c_int),
+        ("do_zero_padding", ctypes.c_int),
+        ("error_block", ctypes.c_uint64),
+    ]
+
+
+class CombineArgs(ctypes.Structure):
+    """Mirror of `deep_ep::CombineArgs` (combine.cuh), passed by value."""
+
+    _fields_ = [
+        ("x", ctypes.c_uint64),
+        ("topk_weights", ctypes.c_uint64),
+        ("recv_src_metadata", ctypes.c_uint64),
+        ("psum_num_recv_tokens_per_rank", ctypes.c_uint64),
+        ("num_max_tokens_per_rank", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("error_block", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+    ]
+
+
+class CombineEpilogueArgs(ctypes.Structure):
+    """Mirror of `deep_ep::CombineEpilogueArgs` (combine_epilogue.cuh), passed by value."""
+
+    _fields_ = [
+        ("window_base", ctypes.c_uint64),
+        ("topk_idx", ctypes.c_uint64),
+        ("slot_idx", ctypes.c_uint64),
+        ("bias_0", ctypes.c_uint64),
+        ("bias_1", ctypes.c_uint64),
+        ("combined_x", ctypes.c_uint64),
+        ("combined_topk_weights", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_int),
+        ("num_max_tokens_per_rank", ctypes.c_int),
+        ("num_experts_per_rank", ctypes.c_int),
+        ("error_block", ctypes.c_uint64),
+    ]
+
+
+def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = True) -> KernelSpec:
+    return KernelSpec(
+        header=f"deep_ep/kernels/{kernel}.cuh",
+        name=f"deep_ep::{kernel}_impl",
+        template_args=template_args,
+        param_types=param_types,
+        include_dirs=(str(get_include_dir()),),
+        use_nccl=use_nccl,
+    )
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def dispatch_layout_spec(num_ranks: int, num_topk: int) -> KernelSpec:
+    return _spec(
+        "dispatch_layout",
+        (num_ranks, num_topk, NUM_LAYOUT_THREADS),
+        ("const int64_t*", "int", "int", "int*", "int*"),
+        use_nccl=False,
+    )
+
+
+def dispatch_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int) -> KernelSpec:
+    return _spec("dispatch", (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS), _DISPATCH_PARAMS)
+
+
+def dispatch_count_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int) -> KernelSpec:
+    return _spec(
+        "dispatch_count",
+        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_COUNT_THREADS),
+        ("const char*", "int", "int", "int", "int*", "int*", "int*", "int*", "const int64_t*"),
+        use_nccl=False,
+    )
+
+
+def dispatch_epilogue_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, expand: bool):
+    return _spec(
+        "dispatch_epilogue",
+        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(expand)),
+        ("deep_ep::DispatchEpilogueArgs",),
+        use_nccl=False,
+    )
+
+
+def combine_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int, expand: bool) -> KernelSpec:
+    return _spec(
+        "combine",
+        (num_ranks, hidden, num_topk, num_rows, NUM_THREADS, _bool(expand)),
+        ("ncclDevComm", "ncclWindow_t", "deep_ep::CombineArgs"),
+    )
+
+
+def combine_epilogue_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int) -> KernelSpec:
+    return _spec(
+        "combine_epilogue",
+        (num_ranks, hidden, num_topk, num_rows, NUM_THREADS),
+        ("deep_ep::CombineEpilogueArgs",),
+        use_nccl=False,
+    )
+
+
+def barrier_spec(num_ranks: int) -> KernelSpec:
+    return _spec("barrier", (num_ranks,), ("ncclDevComm", "ncclWindow_t", "int", "int64_t*", "uint64_t"))
+
+
+def peer_store_spec() -> KernelSpec:
+    return _spec(
+        "peer_store", (NUM_THREADS,), ("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t")
+    )
+
+
+@functools.cache
+def load(spec: KernelSpec):
+    """Compile (or take from the cache) and load one specialisation; memoized per process."""
+    return get_kernel(spec)
+
+
+def moe_specs(num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8_scale_bytes: tuple[int, ...] = ()):
+    """Every specialisation one MoE shape uses: BF16 and each FP8 scale format, both layouts."""
+    num_local_experts = num_experts // num_ranks
+    specs = [dispatch_layout_spec(num_ranks, num_topk), barrier_spec(num_ranks)]
+    for hidden_bytes, scale_bytes in [(hidden * 2, 0), *[(hidden, s) for s in fp8_scale_bytes]]:
+        specs.append(dispatch_spec(num_ranks, hidden_bytes, scale_bytes, num_topk))
+        specs.append(dispatch_count_spec(num_ranks, hidden_bytes, scale_bytes, num_topk))
+        specs += [dispatch_epilogue_spec(num_ranks, hidden_bytes, scale_bytes, num_topk, e) for e in (False, True)]
+    for num_rows, expand in ((1, False), (1, True), (min(num_topk, num_local_experts), True)):
+        specs.append(combine_spec(num_ranks, hidden, num_topk, num_rows, expand))
+        specs.append(combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows))
+    return list(dict.fromkeys(specs))
+
+
+def warmup_specs() -> list[KernelSpec]:
+    """The specialisations of the GPU test sweep and the default benchmark (2 ranks)."""
+    specs = [peer_store_spec()]
+    for hidden in (2048, 7168):
+        fp8 = ((hidden // 128) * 4, (hidden // 512) * 4)
+        specs += moe_specs(2, hidden, 8, 256, fp8)
+    return list(dict.fromkeys(specs))

@@ -1,0 +1,84 @@
+"""Byte layout of the symmetric window, the token records and the error block.
+
+Mirrors `include/deep_ep/common/layout.cuh` and `fault.cuh`; `tests/test_layout.py` compiles the
+headers with these values in `static_assert`s, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_RANKS = 64
+MAX_CHANNELS = 256
+MAX_LOCAL_EXPERTS = 1024
+SEMAPHORE_OFFSET = 0
+RECV_COUNT_OFFSET = SEMAPHORE_OFFSET + MAX_CHANNELS * MAX_RANKS * 4
+WORKSPACE_BYTES = 128 * 1024
+BUFFER_ALIGNMENT = 2 * 1024 * 1024
+
+# Error block words (int64) and the phases a device wait can time out in
+ERROR_WORDS = ("status", "phase", "rank", "peer", "channel", "observed", "expected")
+PHASES = {1: "barrier", 2: "dispatch entry barrier", 3: "dispatch exit barrier", 4: "combine entry barrier",
+          5: "combine exit barrier"}
+
+
+def align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class DispatchRecordLayout:
+    """One dispatched token in the window: hidden bytes, scales, top-k ids/weights, source index."""
+
+    hidden_bytes: int
+    scale_bytes: int
+    num_topk: int
+
+    @property
+    def scale_offset(self) -> int:
+        return self.hidden_bytes
+
+    @property
+    def meta_offset(self) -> int:
+        return self.scale_offset + align(self.scale_bytes, 16)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.meta_offset + align(self.num_topk * 8 + 4, 16)
+
+
+@dataclass(frozen=True)
+class CombineSlotLayout:
+    """One combine slot: `num_rows` BF16 rows, then the token's top-k weights."""
+
+    hidden: int
+    num_rows: int
+    num_topk: int
+
+    @property
+    def weight_offset(self) -> int:
+        return self.num_rows * self.hidden * 2
+
+    @property
+    def num_bytes(self) -> int:
+        return self.weight_offset + align(self.num_topk * 4, 16)
+
+
+def window_bytes(num_ranks: int, num_max_tokens_per_rank: int, slot_bytes: int) -> int:
+    """Window size: the workspace plus one slot block per source rank, 2 MiB aligned."""
+    return align(WORKSPACE_BYTES + num_ranks * num_max_tokens_per_rank * slot_bytes, BUFFER_ALIGNMENT)
+
+
+def max_slot_bytes(hidden: int, num_topk: int, use_fp8_dispatch: bool, allow_multiple_reduction: bool) -> int:
+    """The larger of a dispatch record and a combine slot for this MoE shape (they share memory).
+
+    A BF16 record is always accounted for, so a buffer sized for FP8 also takes BF16 dispatches.
+    Without multiple reduction an expanded combine sends one row per local top-k lane.
+    """
+    num_scale_bytes = (hidden + 127) // 128 * 4 if use_fp8_dispatch else 0
+    record = max(
+        DispatchRecordLayout(hidden * 2, 0, num_topk).num_bytes,
+        DispatchRecordLayout(hidden, num_scale_bytes, num_topk).num_bytes,
+    )
+    rows = 1 if allow_multiple_reduction else max(1, num_topk)
+    return max(record, CombineSlotLayout(hidden, rows, num_topk).num_bytes)

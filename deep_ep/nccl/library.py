@@ -1,0 +1,110 @@
+"""The NCCL host library: the copy already loaded in this process, bound with ctypes.
+
+Torch loads libnccl when it is imported; a second, different libnccl in the same process would
+own different communicators and symmetric memory, so we never load one of our own choosing while
+another is mapped. Only the C API with stable signatures is bound here; the version-dependent
+device-communicator structs go through the JIT-built shim (`deep_ep.nccl.device_comm`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from ..errors import NCCLError
+
+NCCL_WIN_COLL_SYMMETRIC = 0x01
+NCCL_UNIQUE_ID_BYTES = 128
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
+
+
+def find_loaded_nccl() -> Path | None:
+    """Return the path of the libnccl mapped into this process, if any."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1] if "/" in line else ""
+        if "libnccl.so" in Path(path).name:
+            return Path(path)
+    return None
+
+
+def _wheel_nccl() -> Path | None:
+    try:
+        import nvidia.nccl  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    for root in nvidia.nccl.__path__:
+        candidate = Path(root) / "lib" / "libnccl.so.2"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+class NcclLibrary:
+    """ctypes binding of the loaded libnccl; every call checks its result and raises `NCCLError`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        c_void_pp = ctypes.POINTER(ctypes.c_void_p)
+        signatures = {
+            "ncclGetVersion": [ctypes.POINTER(ctypes.c_int)],
+            "ncclGetUniqueId": [ctypes.POINTER(UniqueId)],
+            "ncclCommInitRank": [c_void_pp, ctypes.c_int, UniqueId, ctypes.c_int],
+            "ncclCommDestroy": [ctypes.c_void_p],
+            "ncclCommUserRank": [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],
+            "ncclCommCount": [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],
+            "ncclMemAlloc": [c_void_pp, ctypes.c_size_t],
+            "ncclMemFree": [ctypes.c_void_p],
+            "ncclCommWindowRegister": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, c_void_pp, ctypes.c_int],
+            "ncclCommWindowDeregister": [ctypes.c_void_p, ctypes.c_void_p],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(self._lib, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+        self._lib.ncclGetErrorString.argtypes = [ctypes.c_int]
+        self._lib.ncclGetErrorString.restype = ctypes.c_char_p
+        self._lib.ncclGetLastError.argtypes = [ctypes.c_void_p]
+        self._lib.ncclGetLastError.restype = ctypes.c_char_p
+
+    def check(self, result: int, what: str, comm: int | None = None) -> None:
+        if result == 0:
+            return
+        message = self._lib.ncclGetErrorString(result).decode(errors="replace")
+        detail = self._lib.ncclGetLastError(comm).decode(errors="replace") if comm else ""
+        raise NCCLError(f"{what} failed: NCCL error {result} ({message}){': ' + detail if detail else ''}")
+
+    def call(self, name: str, *args: object, comm: int | None = None) -> None:
+        self.check(getattr(self._lib, name)(*args), name, comm)
+
+    @functools.cached_property
+    def version_code(self) -> int:
+        """Runtime version as NCCL_VERSION_CODE (e.g. 22809 for 2.28.9)."""
+        value = ctypes.c_int()
+        self.call("ncclGetVersion", ctypes.byref(value))
+        return value.value
+
+
+@functools.cache
+def get_nccl_library() -> NcclLibrary:
+    """Bind the libnccl already loaded in this process (torch's), else the installed wheel's."""
+    import torch  # noqa: F401  (torch maps its libnccl at import; bind that very file)
+
+    path = find_loaded_nccl() or _wheel_nccl()
+    if path is None:
+        raise NCCLError("no libnccl is loaded and no nvidia-nccl wheel is installed (pip install 'deep_ep[cu13]')")
+    return NcclLibrary(path)
+
+
+def version_string(code: int) -> str:
+    major, rest = divmod(code, 10000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"

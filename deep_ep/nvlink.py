@@ -1,0 +1,382 @@
+"""The NVLink runtime: NCCL resources of one buffer and the launch sequence of its kernels.
+
+One `NvlinkRuntime` per `ElasticBuffer` on a single NVLink domain. It owns the communicator, the
+device communicator, the symmetric window and the host-mapped error and count blocks, and runs
+dispatch and combine as a fixed sequence of kernels on the stream it is given:
+
+    dispatch: layout -> dispatch (NVLink) -> count -> [host waits for counts] -> epilogue
+    cached dispatch: dispatch (NVLink) -> epilogue            (layout and counts from the handle)
+    combine:  combine (NVLink) -> combine epilogue
+
+Without CPU sync nothing waits on the host, so the sequence can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .errors import EPTimeoutError
+from .jit import I32, U64, Opaque
+from .layout import (
+    ERROR_WORDS,
+    MAX_LOCAL_EXPERTS,
+    MAX_RANKS,
+    PHASES,
+    WORKSPACE_BYTES,
+    CombineSlotLayout,
+    DispatchRecordLayout,
+    align,
+)
+from .nccl.communicator import Communicator
+from .nccl.device_comm import DeviceCommunicator, shim_header_version
+from .nccl.library import version_string
+from .nccl.window import SymmetricWindow
+
+
+def _ptr(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+@dataclass
+class NvlinkDispatchState:
+    """What a handle keeps for combine and cached dispatch (device tensors, no host sync needed)."""
+
+    slot_idx: torch.Tensor  # [num_tokens, num_ranks] int32, -1 where the token skips a rank
+    num_tokens_per_rank: torch.Tensor  # [num_ranks] int32, tokens sent to each rank
+    num_out_rows: int  # rows of recv_x (exact with CPU sync, worst case without)
+    num_meta_rows: int  # rows of recv_src_metadata
+
+
+class NvlinkRuntime:
+    """NCCL resources and kernel launches of one buffer on one NVLink domain.
+
+    Arguments:
+        group: an NCCL process group whose ranks all share one NVLink (LSA) domain.
+        num_bytes: window size per rank (workspace included).
+        num_gpu_timeout_secs: deadline of every device-side wait.
+        num_cpu_timeout_secs: deadline of every host-side wait.
+        force_own_comm: create an own NCCL communicator instead of borrowing torch's.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_bytes: int,
+        num_gpu_timeout_secs: float,
+        num_cpu_timeout_secs: float,
+        force_own_comm: bool = False,
+    ) -> None:
+        self.rank, self.num_ranks = group.rank(), group.size()
+        if self.num_ranks > MAX_RANKS:
+            raise ValueError(f"NVLink kernels support at most {MAX_RANKS} ranks, the group has {self.num_ranks}")
+        self.timeout_ns = int(num_gpu_timeout_secs * 1e9)
+        self.cpu_timeout_s = float(num_cpu_timeout_secs)
+        self.num_device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self.comm = Communicator(group, force_own=force_own_comm)
+        header_code, runtime_code = shim_header_version(), self.comm.lib.version_code
+        if header_code != runtime_code:
+            self.comm.destroy()
+            raise RuntimeError(
+                f"NCCL headers {version_string(header_code)} differ from the loaded library "
+                f"{version_string(runtime_code)} ({self.comm.lib.path}); install the nvidia-nccl wheel that matches"
+            )
+        self.dev_comm = DeviceCommunicator(self.comm)
+        if self.dev_comm.lsa_size != self.num_ranks or self.dev_comm.lsa_rank != self.rank:
+            lsa = (self.dev_comm.lsa_rank, self.dev_comm.lsa_size)
+            self.dev_comm.destroy()
+            self.comm.destroy()
+            raise ValueError(f"the group is not one NVLink domain: LSA (rank, size) = {lsa}, group = "
+                             f"({self.rank}, {self.num_ranks})")
+        self.window = SymmetricWindow(self.comm, num_bytes)
+        self.error_block = torch.zeros(len(ERROR_WORDS) + 1, dtype=torch.int64, pin_memory=True)
+        self.host_counts = torch.zeros(MAX_RANKS + MAX_LOCAL_EXPERTS, dtype=torch.int32, pin_memory=True)
+        self._expand_scratch: torch.Tensor | None = None
+        self.dead_reason: str | None = None
+
+    # ---------------------------------------------------------------- faults
+
+    def check_error(self) -> None:
+        """Raise `EPTimeoutError` if any device wait of this buffer has expired (then or before)."""
+        if self.dead_reason is None and int(self.error_block[0]) != 0:
+            words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=False))
+            phase = PHASES.get(words["phase"], f"phase {words['phase']}")
+            self.dead_reason = (
+                f"{phase} timed out on rank {words['rank']} waiting for rank {words['peer']} "
+                f"(channel {words['channel']}, semaphore {words['observed']}, expected >= {words['expected']}) "
+                f"after {self.timeout_ns / 1e9:g} s; the buffer is unusable: destroy it and create a new one"
+            )
+        if self.dead_reason is not None:
+            raise EPTimeoutError(self.dead_reason)
+
+    def wait(self, stream: torch.cuda.Stream, what: str) -> None:
+        """Wait on the host, with a deadline, for everything queued on `stream`."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        deadline = time.monotonic() + self.cpu_timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                self.dead_reason = f"host wait for {what} on rank {self.rank} passed {self.cpu_timeout_s:g} s"
+                raise EPTimeoutError(self.dead_reason)
+            time.sleep(20e-6)
+        self.check_error()
+
+    # ---------------------------------------------------------------- barrier
+
+    def barrier(self, stream: torch.cuda.Stream) -> None:
+        self.check_error()
+        kernel = kernels.load(kernels.barrier_spec(self.num_ranks))
+        kernel.launch(grid=(1,), block=(128,), stream=stream, args=(
+            Opaque(self.dev_comm.raw), U64(self.window.handle), I32(self.rank),
+            U64(_ptr(self.error_block)), U64(self.timeout_ns)))  # fmt: skip
+
+    # ---------------------------------------------------------------- dispatch
+
+    def check_capacity(self, slot_bytes: int, num_max_tokens_per_rank: int, what: str) -> None:
+        needed = WORKSPACE_BYTES + self.num_ranks * num_max_tokens_per_rank * slot_bytes
+        if needed > self.window.num_bytes:
+            raise ValueError(
+                f"{what}: the buffer holds {self.window.num_bytes} bytes per rank but this call needs {needed} "
+                f"({num_max_tokens_per_rank} tokens x {self.num_ranks} ranks x {slot_bytes} bytes); create the buffer "
+                "with ElasticBuffer.get_buffer_size_hint(...) for this shape"
+            )
+
+    def _expand_rank_scratch(self, num_elements: int) -> torch.Tensor:
+        if self._expand_scratch is None or self._expand_scratch.numel() < num_elements:
+            self._expand_scratch = torch.empty(num_elements, dtype=torch.int32, device="cuda")
+        return self._expand_scratch
+
+    def dispatch(
+        self,
+        stream: torch.cuda.Stream,
+        x: torch.Tensor,
+        x_scales: torch.Tensor | None,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        expert_alignment: int,
+        num_sms: int,
+        do_cpu_sync: bool,
+        do_expand: bool,
+        do_zero_padding: bool,
+        use_tma_aligned_col_major_sf: bool,
+        cumulative_stats: torch.Tensor | None,
+        cached: NvlinkDispatchState | None,
+        cached_num_recv_tokens_per_expert: torch.Tensor | None = None,
+        cached_recv_src_metadata: torch.Tensor | None = None,
+    ) -> dict:
+        """Run one dispatch on `stream`; returns the output tensors and the new handle state.
+
+        Arguments:
+            x: `[num_tokens, hidden]` BF16, or FP8 (`torch.float8_e4m3fn`) with `x_scales`.
+            x_scales: `[num_tokens, num_scales]` float32 (per 128) or int32 (packed UE8M0), or None.
+            topk_idx: `[num_tokens, num_topk]` int64 global expert ids, -1 for none.
+            topk_weights: `[num_tokens, num_topk]` float32, or None.
+            cumulative_stats: `[num_local_experts]` int32, incremented in place, or None.
+            cached: the state of a previous dispatch with the same routing, or None.
+
+        Returns:
+            A dict of `recv_x`, `recv_scales`, `recv_topk_idx`, `recv_topk_weights`,
+            `recv_src_metadata`, `psum_num_recv_tokens_per_rank`, `num_recv_tokens_per_expert`,
+            `psum_num_recv_tokens_per_expert`, `num_recv_tokens_per_expert_host` (list or None),
+            `num_recv_tokens` (int) and `state`.
+        """
+        self.check_error()
+        num_tokens, num_topk = topk_idx.shape
+        hidden = x.shape[1]
+        hidden_bytes = hidden * x.element_size()
+        num_scales = 0 if x_scales is None else x_scales.shape[1]
+        scale_bytes = num_scales * 4
+        num_local_experts = num_experts // self.num_ranks
+        record = DispatchRecordLayout(hidden_bytes, scale_bytes, num_topk)
+        self.check_capacity(record.num_bytes, num_max_tokens_per_rank, "dispatch")
+        device = x.device
+        args_common = (self.num_ranks, hidden_bytes, scale_bytes, num_topk)
+        num_sms = max(1, min(num_sms, self.num_device_sms))
+
+        if cached is None:
+            slot_idx = torch.empty((num_tokens, self.num_ranks), dtype=torch.int32, device=device)
+            num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, device=device)
+            if num_tokens > 0:
+                kernels.load(kernels.dispatch_layout_spec(self.num_ranks, num_topk)).launch(
+                    grid=(1,), block=(kernels.NUM_LAYOUT_THREADS,), stream=stream,
+                    args=(topk_idx, I32(num_tokens), I32(num_local_experts), slot_idx, num_tokens_per_rank))  # fmt: skip
+            else:
+                num_tokens_per_rank.zero_()
+        else:
+            slot_idx, num_tokens_per_rank = cached.slot_idx, cached.num_tokens_per_rank
+
+        kernels.load(kernels.dispatch_spec(*args_common)).launch(
+            grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
+            args=(Opaque(self.dev_comm.raw), U64(self.window.handle), x, U64(_ptr(x_scales)), topk_idx,
+                  U64(_ptr(topk_weights)), slot_idx, num_tokens_per_rank, I32(num_tokens),
+                  I32(num_max_tokens_per_rank), I32(self.rank), U64(_ptr(self.error_block)),
+                  U64(self.timeout_ns)))  # fmt: skip
+
+        counts_list = None
+        if cached is None:
+            num_recv_per_expert = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+            max_recv = self.num_ranks * num_max_tokens_per_rank
+            expand_scratch = self._expand_rank_scratch(max_recv * num_topk) if do_expand else None
+            kernels.load(kernels.dispatch_count_spec(*args_common)).launch(
+                grid=(num_local_experts,), block=(kernels.NUM_COUNT_THREADS,), stream=stream,
+                args=(U64(self.window.ptr), I32(num_max_tokens_per_rank), I32(self.rank), I32(num_local_experts),
+                      num_recv_per_expert, U64(_ptr(expand_scratch)),
+                      U64(_ptr(self.host_counts) if do_cpu_sync else 0), U64(_ptr(cumulative_stats)),
+                      U64(_ptr(self.error_block))))  # fmt: skip
+            if do_cpu_sync:
+                self.wait(stream, "dispatch counts")
+                counts = self.host_counts[: self.num_ranks + num_local_experts].tolist()
+                num_recv_tokens = sum(counts[: self.num_ranks])
+                per_expert = counts[self.num_ranks :]
+                counts_list = [align(c, expert_alignment) for c in per_expert]
+                num_out_rows = sum(counts_list) if do_expand else num_recv_tokens
+                num_meta_rows = num_recv_tokens
+            else:
+                num_meta_rows = max_recv
+                num_out_rows = self.worst_case_rows(num_max_tokens_per_rank, num_topk, num_local_experts,
+                                                    expert_alignment, do_expand)
+                num_recv_tokens = num_meta_rows
+            state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_meta_rows)
+            recv_src_metadata = torch.empty((num_meta_rows, 2 + num_topk), dtype=torch.int32, device=device)
+        else:
+            if cumulative_stats is not None:
+                cumulative_stats.add_(cached_num_recv_tokens_per_expert)
+            state = cached
+            num_recv_per_expert = cached_num_recv_tokens_per_expert
+            recv_src_metadata = cached_recv_src_metadata
+            expand_scratch = None
+            num_out_rows, num_recv_tokens = cached.num_out_rows, cached.num_meta_rows
+
+        recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
+        recv_scales, scale_col_stride = None, 0
+        if x_scales is not None:
+            if use_tma_aligned_col_major_sf:
+                scale_col_stride = align(num_out_rows, 4)
+                recv_scales = torch.empty((num_scales, scale_col_stride), dtype=x_scales.dtype,
+                                          device=device)[:, :num_out_rows].t()
+            else:
+                recv_scales = torch.empty((num_out_rows, num_scales), dtype=x_scales.dtype, device=device)
+        recv_topk_idx = None if do_expand else torch.empty((num_out_rows, num_topk), dtype=torch.int64, device=device)
+        recv_topk_weights = None
+        if topk_weights is not None:
+            shape = (num_out_rows,) if do_expand else (num_out_rows, num_topk)
+            recv_topk_weights = torch.empty(shape, dtype=torch.float32, device=device)
+        psum_rank = torch.empty(self.num_ranks, dtype=torch.int32, device=device)
+        psum_expert = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+
+        epilogue_args = kernels.DispatchEpilogueArgs(
+            window_base=self.window.ptr, num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
+            num_experts_per_rank=num_local_experts, expert_alignment=expert_alignment, num_out_rows=num_out_rows,
+            scale_col_stride=scale_col_stride, recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
+            recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
+            recv_src_metadata=_ptr(recv_src_metadata), psum_num_recv_tokens_per_rank=_ptr(psum_rank),
+            num_recv_tokens_per_expert=_ptr(num_recv_per_expert), psum_num_recv_tokens_per_expert=_ptr(psum_expert),
+            expand_rank_in_expert=_ptr(expand_scratch), is_cached=int(cached is not None),
+            do_zero_padding=int(do_zero_padding), error_block=_ptr(self.error_block))  # fmt: skip
+        kernels.load(kernels.dispatch_epilogue_spec(*args_common, do_expand)).launch(
+            grid=(self.num_device_sms,), block=(kernels.NUM_THREADS,), stream=stream,
+            args=(Opaque(bytes(epilogue_args)),))  # fmt: skip
+        return {
+            "recv_x": recv_x,
+            "recv_scales": recv_scales,
+            "recv_topk_idx": recv_topk_idx,
+            "recv_topk_weights": recv_topk_weights,
+            "recv_src_metadata": recv_src_metadata,
+            "psum_num_recv_tokens_per_rank": psum_rank,
+            "num_recv_tokens_per_expert": num_recv_per_expert,
+            "psum_num_recv_tokens_per_expert": psum_expert,
+            "num_recv_tokens_per_expert_host": counts_list,
+            "num_recv_tokens": num_recv_tokens,
+            "num_out_rows": num_out_rows,
+            "state": state,
+        }
+
+    def worst_case_rows(
+        self, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int, expert_alignment: int,
+        do_expand: bool,
+    ) -> int:  # fmt: skip
+        """Rows of `recv_x` without CPU sync: every rank sends us all its tokens (and, expanded,
+        every token hits min(top-k, local experts) of ours, each expert block padded)."""
+        max_recv = self.num_ranks * num_max_tokens_per_rank
+        if not do_expand:
+            return max_recv
+        return max_recv * min(num_topk, num_local_experts) + num_local_experts * (expert_alignment - 1)
+
+    # ---------------------------------------------------------------- combine
+
+    def combine(
+        self,
+        stream: torch.cuda.Stream,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        bias_0: torch.Tensor | None,
+        bias_1: torch.Tensor | None,
+        topk_idx: torch.Tensor,
+        recv_src_metadata: torch.Tensor,
+        psum_num_recv_tokens_per_rank: torch.Tensor,
+        state: NvlinkDispatchState,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        num_sms: int,
+        do_expand: bool,
+        allow_multiple_reduction: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one combine on `stream`.
+
+        Arguments:
+            x: `[rows, hidden]` BF16 (rows of the dispatch's `recv_x`).
+            topk_weights: `[rows, num_topk]` (plain) or `[rows]` (expanded) float32, or None.
+            bias_0, bias_1: `[num_tokens, hidden]` BF16, or None.
+            topk_idx: the dispatching rank's `[num_tokens, num_topk]` int64 routing (from the handle).
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` BF16.
+            combined_topk_weights: `[num_tokens, num_topk]` float32, or None.
+        """
+        self.check_error()
+        num_tokens, num_topk = topk_idx.shape
+        hidden = x.shape[1]
+        num_local_experts = num_experts // self.num_ranks
+        num_rows = min(num_topk, num_local_experts) if (do_expand and not allow_multiple_reduction) else 1
+        slot = CombineSlotLayout(hidden, num_rows, num_topk)
+        self.check_capacity(slot.num_bytes, num_max_tokens_per_rank, "combine")
+        num_sms = max(1, min(num_sms, self.num_device_sms))
+        combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
+        combined_w = None
+        if topk_weights is not None:
+            combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=x.device)
+
+        combine_args = kernels.CombineArgs(
+            x=_ptr(x), topk_weights=_ptr(topk_weights), recv_src_metadata=_ptr(recv_src_metadata),
+            psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank),
+            num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank, error_block=_ptr(self.error_block),
+            timeout_ns=self.timeout_ns)  # fmt: skip
+        kernels.load(kernels.combine_spec(self.num_ranks, hidden, num_topk, num_rows, do_expand)).launch(
+            grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
+            args=(Opaque(self.dev_comm.raw), U64(self.window.handle), Opaque(bytes(combine_args))))  # fmt: skip
+        if num_tokens > 0:
+            epilogue_args = kernels.CombineEpilogueArgs(
+                window_base=self.window.ptr, topk_idx=_ptr(topk_idx), slot_idx=_ptr(state.slot_idx),
+                bias_0=_ptr(bias_0), bias_1=_ptr(bias_1), combined_x=_ptr(combined_x),
+                combined_topk_weights=_ptr(combined_w), num_tokens=num_tokens,
+                num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts,
+                error_block=_ptr(self.error_block))  # fmt: skip
+            grid = min(self.num_device_sms, (num_tokens + 15) // 16)
+            kernels.load(kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows)).launch(
+                grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),))
+        return combined_x, combined_w
+
+    # ---------------------------------------------------------------- teardown
+
+    def destroy(self) -> None:
+        """Release device communicator, window, memory and own communicator, in that order; idempotent."""
+        for resource in ("dev_comm", "window", "comm"):
+            obj = getattr(self, resource, None)
+            if obj is not None:
+                obj.destroy()
