@@ -50,6 +50,7 @@ class NvlinkDispatchState:
     num_tokens_per_rank: torch.Tensor  # [num_ranks] int32, tokens sent to each rank
     num_out_rows: int  # rows of recv_x (exact with CPU sync, worst case without)
     num_meta_rows: int  # rows of recv_src_metadata
+    num_expanded_rows: int  # rows of the expanded layout (reported in both modes)
 
 
 class NvlinkRuntime:
@@ -235,14 +236,14 @@ class NvlinkRuntime:
                 num_recv_tokens = sum(counts[: self.num_ranks])
                 per_expert = counts[self.num_ranks :]
                 counts_list = [align(c, expert_alignment) for c in per_expert]
-                num_out_rows = sum(counts_list) if do_expand else num_recv_tokens
+                num_expanded_rows = sum(counts_list)
                 num_meta_rows = num_recv_tokens
             else:
-                num_meta_rows = max_recv
-                num_out_rows = self.worst_case_rows(num_max_tokens_per_rank, num_topk, num_local_experts,
-                                                    expert_alignment, do_expand)
-                num_recv_tokens = num_meta_rows
-            state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_meta_rows)
+                num_meta_rows = num_recv_tokens = max_recv
+                num_expanded_rows = self.worst_case_rows(num_max_tokens_per_rank, num_topk, num_local_experts,
+                                                         expert_alignment, True)
+            num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
+            state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_meta_rows, num_expanded_rows)
             recv_src_metadata = torch.empty((num_meta_rows, 2 + num_topk), dtype=torch.int32, device=device)
         else:
             if cumulative_stats is not None:
@@ -306,7 +307,8 @@ class NvlinkRuntime:
         max_recv = self.num_ranks * num_max_tokens_per_rank
         if not do_expand:
             return max_recv
-        return max_recv * min(num_topk, num_local_experts) + num_local_experts * (expert_alignment - 1)
+        return align(max_recv * min(num_topk, num_local_experts) + num_local_experts * (expert_alignment - 1),
+                     expert_alignment)
 
     # ---------------------------------------------------------------- combine
 
@@ -380,3 +382,16 @@ class NvlinkRuntime:
             obj = getattr(self, resource, None)
             if obj is not None:
                 obj.destroy()
+
+
+def peer_store(runtime: NvlinkRuntime, stream: torch.cuda.Stream, src: torch.Tensor, num_sms: int) -> None:
+    """Speed-of-light probe: stream `src` (uint8, a multiple of 16 bytes) into every peer's window.
+
+    Every rank launching it at once loads the links in both directions, as dispatch and combine do.
+    """
+    if WORKSPACE_BYTES + src.numel() > runtime.window.num_bytes:
+        raise ValueError(f"peer_store: {src.numel()} bytes do not fit the window ({runtime.window.num_bytes} bytes)")
+    kernels.load(kernels.peer_store_spec()).launch(
+        grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
+        args=(Opaque(runtime.dev_comm.raw), U64(runtime.window.handle), U64(WORKSPACE_BYTES), src,
+              U64(src.numel())))  # fmt: skip

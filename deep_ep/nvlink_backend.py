@@ -1,0 +1,142 @@
+"""`NvlinkBackend`: the `EPBackend` that runs the JIT-compiled NVLink kernels (one NVLink domain)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .backend import (
+    BufferConfig,
+    CombineRequest,
+    CombineResult,
+    DispatchRequest,
+    DispatchResult,
+    EPBackend,
+)
+from .layout import MAX_LOCAL_EXPERTS, MAX_RANKS, max_slot_bytes, window_bytes
+from .nvlink import NvlinkRuntime
+
+
+def is_supported(group: dist.ProcessGroup) -> bool:
+    """Whether `group` looks like one NVLink domain from here (local answer, no communication).
+
+    An NCCL group no larger than this host's GPU count, whose GPUs all reach each other. The hard
+    check comes at construction: NCCL's LSA team must span exactly the group.
+    """
+    if not torch.cuda.is_available() or "nccl" not in str(dist.get_backend(group)).lower():
+        return False
+    num_devices = torch.cuda.device_count()
+    if group.size() > min(num_devices, MAX_RANKS):
+        return False
+    return all(a == b or torch.cuda.can_device_access_peer(a, b) for a in range(num_devices) for b in range(num_devices))
+
+
+class NvlinkBackend(EPBackend):
+    """Dispatch and combine through NCCL symmetric memory and LSA stores over NVLink."""
+
+    name = "kernels"
+
+    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
+        super().__init__(group, config)
+        self.runtime = NvlinkRuntime(
+            group,
+            config.num_bytes,
+            num_gpu_timeout_secs=config.num_gpu_timeout_secs,
+            num_cpu_timeout_secs=config.num_cpu_timeout_secs,
+        )
+
+    @classmethod
+    def get_buffer_size_hint(
+        cls,
+        group: dist.ProcessGroup,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+    ) -> int:
+        """The window bytes per rank: workspace plus `num_ranks * num_max_tokens_per_rank` slots, each
+        large enough for a dispatch record and a combine slot of this shape (2 MiB aligned)."""
+        num_topk = num_topk if num_topk > 0 else 32
+        slot = max_slot_bytes(hidden, num_topk, use_fp8_dispatch, allow_multiple_reduction)
+        return window_bytes(group.size(), num_max_tokens_per_rank, slot)
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        num_local_experts = request.num_experts // self.config.num_ranks
+        if num_local_experts > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"dispatch: at most {MAX_LOCAL_EXPERTS} local experts, got {num_local_experts}")
+        handle = request.cached_handle
+        scales = None if request.scales is None else request.scales.contiguous()
+        out = self.runtime.dispatch(
+            torch.cuda.current_stream(),
+            request.x,
+            scales,
+            request.topk_idx,
+            request.topk_weights,
+            num_experts=request.num_experts,
+            num_max_tokens_per_rank=request.num_max_tokens_per_rank,
+            expert_alignment=request.expert_alignment,
+            num_sms=request.num_sms,
+            do_cpu_sync=request.do_cpu_sync,
+            do_expand=request.do_expand,
+            do_zero_padding=request.do_zero_padding,
+            use_tma_aligned_col_major_sf=request.use_tma_aligned_col_major_sf,
+            cumulative_stats=request.cumulative_local_expert_recv_stats,
+            cached=None if handle is None else handle.backend_state,
+            cached_num_recv_tokens_per_expert=None if handle is None else handle.num_unaligned_recv_tokens_per_expert,
+            cached_recv_src_metadata=None if handle is None else handle.recv_src_metadata,
+        )
+        state = out["state"]
+        if handle is None:
+            # Per lane: the token's slot at the rank that owns the lane's expert
+            lanes = request.topk_idx
+            owner = torch.where(lanes >= 0, lanes // num_local_experts, torch.zeros_like(lanes))
+            dst_slot = state.slot_idx.gather(1, owner).masked_fill(lanes < 0, -1)
+            counts_list = out["num_recv_tokens_per_expert_host"]
+        else:
+            dst_slot = handle.dst_buffer_slot_idx
+            counts_list = handle.num_recv_tokens_per_expert_list
+        return DispatchResult(
+            recv_x=out["recv_x"],
+            recv_scales=out["recv_scales"],
+            recv_topk_idx=out["recv_topk_idx"],
+            recv_topk_weights=out["recv_topk_weights"],
+            num_recv_tokens=state.num_meta_rows,
+            num_expanded_tokens=state.num_expanded_rows,
+            num_recv_tokens_per_expert_list=counts_list,
+            psum_num_recv_tokens_per_scaleup_rank=out["psum_num_recv_tokens_per_rank"],
+            psum_num_recv_tokens_per_expert=out["psum_num_recv_tokens_per_expert"],
+            num_unaligned_recv_tokens_per_expert=out["num_recv_tokens_per_expert"],
+            recv_src_metadata=out["recv_src_metadata"],
+            dst_buffer_slot_idx=dst_slot,
+            backend_state=state,
+        )
+
+    def combine(self, request: CombineRequest) -> CombineResult:
+        handle = request.handle
+        combined_x, combined_w = self.runtime.combine(
+            torch.cuda.current_stream(),
+            request.x,
+            request.topk_weights,
+            request.bias_0,
+            request.bias_1,
+            topk_idx=handle.topk_idx,
+            recv_src_metadata=handle.recv_src_metadata,
+            psum_num_recv_tokens_per_rank=handle.psum_num_recv_tokens_per_scaleup_rank,
+            state=handle.backend_state,
+            num_experts=handle.num_experts,
+            num_max_tokens_per_rank=handle.num_max_tokens_per_rank,
+            num_sms=request.num_sms,
+            do_expand=handle.do_expand,
+            allow_multiple_reduction=request.allow_multiple_reduction,
+        )
+        return CombineResult(combined_x, combined_w)
+
+    def barrier(self) -> None:
+        stream = torch.cuda.current_stream()
+        self.runtime.barrier(stream)
+        self.runtime.wait(stream, "barrier")
+
+    def destroy(self) -> None:
+        self.runtime.destroy()
