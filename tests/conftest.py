@@ -1,0 +1,36 @@
+"""Shared fixtures: a private JIT cache for the session (never ~/.cache), and a target arch on CPU."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _jit_session_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Point EP_JIT_CACHE_DIR at a session folder; without a GPU, compile for sm_90a (EP_JIT_ARCH)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("EP_JIT_CACHE_DIR", str(tmp_path_factory.mktemp("jit-cache")))
+    if not os.environ.get("EP_JIT_ARCH") and not _gpu_available():
+        patch.setenv("EP_JIT_ARCH", "sm_90a")
+    yield
+    patch.undo()
+
+
+@pytest.fixture
+def jit_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh, empty JIT cache folder for one test (EP_JIT_CACHE_DIR points at it)."""
+    path = tmp_path / "jit-cache"
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(path))
+    return path
