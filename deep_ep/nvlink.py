@@ -33,8 +33,7 @@ from .layout import (
     align,
 )
 from .nccl.communicator import Communicator
-from .nccl.device_comm import DeviceCommunicator, shim_header_version
-from .nccl.library import version_string
+from .nccl.device_comm import DeviceCommunicator
 from .nccl.window import SymmetricWindow
 
 
@@ -79,13 +78,6 @@ class NvlinkRuntime:
         self.cpu_timeout_s = float(num_cpu_timeout_secs)
         self.num_device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.comm = Communicator(group, force_own=force_own_comm)
-        header_code, runtime_code = shim_header_version(), self.comm.lib.version_code
-        if header_code != runtime_code:
-            self.comm.destroy()
-            raise RuntimeError(
-                f"NCCL headers {version_string(header_code)} differ from the loaded library "
-                f"{version_string(runtime_code)} ({self.comm.lib.path}); install the nvidia-nccl wheel that matches"
-            )
         self.dev_comm = DeviceCommunicator(self.comm)
         if self.dev_comm.lsa_size != self.num_ranks or self.dev_comm.lsa_rank != self.rank:
             lsa = (self.dev_comm.lsa_rank, self.dev_comm.lsa_size)

@@ -22,31 +22,6 @@ class UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
 
 
-def find_loaded_nccl() -> Path | None:
-    """Return the path of the libnccl mapped into this process, if any."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        path = line.split()[-1] if "/" in line else ""
-        if "libnccl.so" in Path(path).name:
-            return Path(path)
-    return None
-
-
-def _wheel_nccl() -> Path | None:
-    try:
-        import nvidia.nccl  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    for root in nvidia.nccl.__path__:
-        candidate = Path(root) / "lib" / "libnccl.so.2"
-        if candidate.exists():
-            return candidate
-    return None
-
-
 class NcclLibrary:
     """ctypes binding of the loaded libnccl; every call checks its result and raises `NCCLError`."""
 
@@ -95,16 +70,16 @@ class NcclLibrary:
 
 @functools.cache
 def get_nccl_library() -> NcclLibrary:
-    """Bind the libnccl already loaded in this process (torch's), else the installed wheel's."""
-    import torch  # noqa: F401  (torch maps its libnccl at import; bind that very file)
+    """Bind the libnccl already loaded in this process (torch's), else the installed wheel's.
 
-    path = find_loaded_nccl() or _wheel_nccl()
-    if path is None:
-        raise NCCLError("no libnccl is loaded and no nvidia-nccl wheel is installed (pip install 'deep_ep[cu13]')")
-    return NcclLibrary(path)
+    Raises `NCCLVersionMismatchError` when that library is not the release whose headers the JIT
+    compiles against (device structs differ between releases).
+    """
+    import torch  # noqa: F401  (torch maps its libnccl at import: bind that very file)
 
+    from ..jit.nccl_headers import check_versions
 
-def version_string(code: int) -> str:
-    major, rest = divmod(code, 10000)
-    minor, patch = divmod(rest, 100)
-    return f"{major}.{minor}.{patch}"
+    install = check_versions()
+    if install.lib_path is None:
+        raise NCCLError(f"no libnccl next to the NCCL headers in {install.include_dir}")
+    return NcclLibrary(install.lib_path)

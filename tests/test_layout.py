@@ -1,0 +1,79 @@
+"""deep_ep/layout.py and include/deep_ep/common/layout.cuh + fault.cuh describe the same bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from deep_ep import layout
+from deep_ep.jit import JITCompileError, KernelSpec, compile_spec
+from deep_ep.paths import get_include_dir
+
+SHAPES = [(14336, 0, 8), (7168, 224, 8), (7168, 56, 8), (4096, 128, 6), (256, 8, 1), (2048, 64, 32)]
+COMBINE = [(7168, 1, 8), (7168, 8, 8), (2048, 3, 6), (128, 1, 1)]
+
+
+def _assertions(offset_delta: int = 0) -> str:
+    lines = [
+        f"static_assert(deep_ep::kMaxRanks == {layout.MAX_RANKS});",
+        f"static_assert(deep_ep::kMaxChannels == {layout.MAX_CHANNELS});",
+        f"static_assert(deep_ep::kSemaphoreOffset == {layout.SEMAPHORE_OFFSET});",
+        f"static_assert(deep_ep::kRecvCountOffset == {layout.RECV_COUNT_OFFSET + offset_delta});",
+        f"static_assert(deep_ep::kWorkspaceBytes == {layout.WORKSPACE_BYTES});",
+        f"static_assert(deep_ep::kMaxLocalExperts == {layout.MAX_LOCAL_EXPERTS});",
+        f"static_assert(deep_ep::kErrWords == {len(layout.ERROR_WORDS)});",
+    ]
+    for hidden_bytes, scale_bytes, topk in SHAPES:
+        py = layout.DispatchRecordLayout(hidden_bytes, scale_bytes, topk)
+        record = f"deep_ep::DispatchRecord<{hidden_bytes}, {scale_bytes}, {topk}>"
+        lines += [
+            f"static_assert({record}::kBytes == {py.num_bytes});",
+            f"static_assert({record}::kScaleOffset == {py.scale_offset});",
+            f"static_assert({record}::kMetaOffset == {py.meta_offset});",
+        ]
+    for hidden, rows, topk in COMBINE:
+        py = layout.CombineSlotLayout(hidden, rows, topk)
+        slot = f"deep_ep::CombineSlot<{hidden}, {rows}, {topk}>"
+        lines += [f"static_assert({slot}::kBytes == {py.num_bytes});",
+                  f"static_assert({slot}::kWeightOffset == {py.weight_offset});"]  # fmt: skip
+    for code, name in layout.PHASES.items():
+        constant = {"barrier": "kPhaseBarrier", "dispatch entry barrier": "kPhaseDispatchEntry",
+                    "dispatch exit barrier": "kPhaseDispatchExit", "combine entry barrier": "kPhaseCombineEntry",
+                    "combine exit barrier": "kPhaseCombineExit"}[name]  # fmt: skip
+        lines.append(f"static_assert(deep_ep::{constant} == {code});")
+    return "\n".join(lines)
+
+
+def _compile(tmp_path, body: str):
+    (tmp_path / "layout_check.cuh").write_text(
+        "#pragma once\n#include <deep_ep/common/layout.cuh>\n#include <deep_ep/common/fault.cuh>\n"
+        "#include <deep_ep/kernels/dispatch_epilogue.cuh>\n"
+        f"{body}\ntemplate <int kUnused> __global__ void layout_check_impl(int* out) {{ *out = kUnused; }}\n"
+    )
+    spec = KernelSpec(header="layout_check.cuh", name="layout_check_impl", template_args=(0,),
+                      param_types=("int*",), include_dirs=(str(tmp_path), str(get_include_dir())))  # fmt: skip
+    return compile_spec(spec)
+
+
+@pytest.fixture(autouse=True)
+def _sm90a_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EP_JIT_ARCH", "sm_90a")
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_python_and_cuda_layouts_agree(tmp_path):
+    _compile(tmp_path, _assertions())
+
+
+def test_a_wrong_constant_is_caught(tmp_path):
+    with pytest.raises(JITCompileError, match="static assertion failed"):
+        _compile(tmp_path, _assertions(offset_delta=4))
+
+
+def test_window_size_counts_every_source_block():
+    slot = layout.max_slot_bytes(7168, 8, use_fp8_dispatch=True, allow_multiple_reduction=True)
+    assert slot == layout.DispatchRecordLayout(14336, 0, 8).num_bytes  # the BF16 record is the largest
+    size = layout.window_bytes(2, 8192, slot)
+    assert size % layout.BUFFER_ALIGNMENT == 0
+    assert size >= layout.WORKSPACE_BYTES + 2 * 8192 * slot
+    no_multi = layout.max_slot_bytes(7168, 8, use_fp8_dispatch=False, allow_multiple_reduction=False)
+    assert no_multi == layout.CombineSlotLayout(7168, 8, 8).num_bytes
