@@ -41,7 +41,7 @@ __device__ __forceinline__ bool channel_barrier(void* const* peer_windows, int r
                 break;
             }
         }
-        if (ok) atomicAdd(mine, -1);
+        if (ok) atomic_add_relaxed_sys(mine, -1);
     }
     return __syncthreads_and(ok);
 }

@@ -39,6 +39,14 @@ __device__ __forceinline__ int atomic_add_release_sys(int* ptr, int v) {
     return old;
 }
 
+// Peers add to the same semaphores over NVLink at system scope; our own updates must use the same
+// scope, or the two read-modify-writes are not atomic with respect to each other.
+__device__ __forceinline__ int atomic_add_relaxed_sys(int* ptr, int v) {
+    int old;
+    asm volatile("atom.relaxed.sys.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+    return old;
+}
+
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // 16-byte global accesses: the widest a thread can issue, so a warp moves 512 bytes per instruction.

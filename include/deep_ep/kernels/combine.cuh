@@ -73,15 +73,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 slot_weights[lane_idx] =
                     (args.topk_weights != nullptr and expanded_row >= 0) ? args.topk_weights[expanded_row] : 0.0f;
             if constexpr (kNumRows == 1) {
-                // Multiple reduction: sum the local lanes here, in lane order
+                // Multiple reduction: sum the local lanes here, in lane order. The rows are
+                // gathered before the hidden loop, whose trip count may differ between lanes.
+                int rows[kNumTopk];
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k) rows[k] = __shfl_sync(0xffffffff, expanded_row, k);
                 for (int v = lane_idx; v < kRowVectors; v += 32) {
                     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                    uint32_t lanes = local_lanes;
-                    while (lanes != 0) {
-                        const int k = __ffs(lanes) - 1;
-                        lanes &= lanes - 1;
-                        const int row = __shfl_sync(0xffffffff, expanded_row, k);
-                        const int4 packed = ld_nc_v4(args.x + static_cast<int64_t>(row) * kRowVectors + v);
+#pragma unroll
+                    for (int k = 0; k < kNumTopk; ++k) {
+                        if (rows[k] < 0) continue;
+                        const int4 packed = ld_nc_v4(args.x + static_cast<int64_t>(rows[k]) * kRowVectors + v);
                         const auto* bf16 = reinterpret_cast<const __nv_bfloat162*>(&packed);
 #pragma unroll
                         for (int j = 0; j < 4; ++j) {
