@@ -171,7 +171,7 @@ def _bench_rank(rank: int, num_ranks: int, config: BenchConfig) -> list[dict]:
                                                  explicitly_destroy=True)  # fmt: skip
     ours = make("auto")
     reference = make("reference") if device == "cuda" else ours
-    backend_name = type(ours._backend).__name__
+    backend_name = type(ours.backend).__name__
 
     def align() -> None:
         if device == "cuda":
@@ -248,7 +248,7 @@ def _speed_of_light(buffer: Any, config: BenchConfig, align: Callable[[], None])
     """GB/s per direction of our peer-store kernel on all SMs, every rank writing at once."""
     from .nvlink import peer_store
 
-    runtime = buffer._backend.runtime
+    runtime = buffer.backend.runtime
     num_bytes = min(256 << 20, (runtime.window.num_bytes - (1 << 20)) // 16 * 16)
     sources = [torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda") for _ in range(2)]
     stream = torch.cuda.current_stream()

@@ -125,7 +125,7 @@ def _sweep_rank(rank, num_ranks, seed, cases):
                     explicitly_destroy=True, num_gpu_timeout_secs=20)
                 for backend in ("kernels", "reference")
             }  # fmt: skip
-            assert type(buffers["kernels"]._backend).__name__ == "NvlinkBackend"
+            assert type(buffers["kernels"].backend).__name__ == "NvlinkBackend"
         num_tokens = 0 if (case["zero_rank"] and rank == 1) else case["num_tokens"]
         x, topk_idx, weights, bias = _make_inputs(rank, num_ranks, num_tokens, case["hidden"], case["fp8"],
                                                   case["masked"], case["imbalanced"], case["num_bias"], seed + i)
@@ -252,7 +252,7 @@ def _fault_rank(rank, num_ranks, timeout_s):
             outcome = f"{elapsed:.2f}s: {error}"
             assert elapsed < timeout_s + 5, f"took {elapsed:.1f} s for a {timeout_s} s deadline"
             assert "dispatch" in str(error) and "rank 1" in str(error), str(error)
-            with pytest.raises(deep_ep.EPTimeoutError):
+            with pytest.raises((deep_ep.EPTimeoutError, ValueError), match="timed out"):
                 buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=NUM_EXPERTS)
         else:
             raise AssertionError("rank 0 dispatched alone without EPTimeoutError")
