@@ -1,0 +1,336 @@
+"""The `deep-ep` command: `info` and `jit {list,clear,warmup}` (more subcommands register below).
+
+Every subcommand registers itself through one function taking the argparse subparsers; add new
+ones (`bench`, `plan`) to `register_commands`. `info` must work on any machine, GPU or not, and
+never crash: anything missing is printed as "not found" (or "none").
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+NOT_FOUND = "not found"
+
+
+def _try(produce: Callable[[], str], missing: str = NOT_FOUND) -> str:
+    """Run one probe of `info`; whatever fails prints as `missing` (with the reason, briefly)."""
+    try:
+        return produce()
+    except Exception as error:  # info must never crash
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"{missing} ({reason[:100]})"
+
+
+def _try_quiet(produce: Callable[[], str], missing: str) -> str:
+    """Like `_try`, without the reason (e.g. "no driver" is the normal state of a CPU machine)."""
+    try:
+        return produce()
+    except Exception:
+        return missing
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+def _version(distribution: str) -> str:
+    return importlib.metadata.version(distribution)
+
+
+def _torch_line() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _cuda_runtime_line() -> str:
+    import torch
+
+    return torch.version.cuda or "none (CPU build of torch)"
+
+
+def _driver_line() -> str:
+    from cuda.bindings import driver
+
+    status, version = driver.cuDriverGetVersion()
+    if status != driver.CUresult.CUDA_SUCCESS or not version:
+        return "none"
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _nvcc_line() -> str:
+    from deep_ep.jit import compiler
+
+    nvcc = compiler.find_nvcc()
+    return f"{compiler.nvcc_release(nvcc)} ({nvcc})"
+
+
+def _nccl_lines() -> list[tuple[str, str]]:
+    from deep_ep.jit import nccl_headers
+
+    def library() -> str:
+        install = nccl_headers.find_nccl()
+        runtime = nccl_headers.runtime_version(install)
+        loaded = nccl_headers.loaded_libraries()
+        return f"{nccl_headers.version_string(runtime)} ({loaded[0] if loaded else install.lib_path}; {install.origin})"
+
+    def headers() -> str:
+        install = nccl_headers.find_nccl()
+        return f"{nccl_headers.version_string(install.header_version)} ({install.include_dir})"
+
+    return [("NCCL library", _try(library)), ("NCCL headers", _try(headers))]
+
+
+def _nvlink_lines(count: int) -> list[str]:
+    """NVLink topology through pynvml (nvidia-ml-py) when importable, else `nvidia-smi topo -m`."""
+    try:
+        import pynvml
+    except ImportError:
+        pynvml = None
+    if pynvml is not None:
+        pynvml.nvmlInit()
+        try:
+            bus_to_index = {}
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            for index, handle in enumerate(handles):
+                bus_to_index[pynvml.nvmlDeviceGetPciInfo(handle).busId] = index
+            lines = []
+            for index, handle in enumerate(handles):
+                peers: dict[str, int] = {}
+                for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                    try:
+                        if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                            continue
+                        remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId
+                    except pynvml.NVMLError:
+                        continue
+                    peer = bus_to_index.get(remote)
+                    name = f"GPU{peer}" if peer is not None else "switch/other"
+                    peers[name] = peers.get(name, 0) + 1
+                links = ", ".join(f"{n} x{c}" for n, c in sorted(peers.items())) or "no active links"
+                lines.append(f"GPU{index}: NVLink {links}")
+            return lines
+        finally:
+            pynvml.nvmlShutdown()
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ["NVLink topology: not found (no pynvml, no nvidia-smi)"]
+    result = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, timeout=30, check=False)
+    if result.returncode != 0:
+        return [f"NVLink topology: not found (nvidia-smi topo -m: {result.stderr.strip()[:100]})"]
+    return [line.rstrip() for line in result.stdout.splitlines() if line.strip() and not line.startswith("Legend")][:16]
+
+
+def _gpu_lines() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return ["none"]
+    lines = []
+    count = torch.cuda.device_count()
+    for index in range(count):
+        props = torch.cuda.get_device_properties(index)
+        lines.append(
+            f"GPU{index}: {props.name}, sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+            f"{props.total_memory / 2**30:.0f} GiB"
+        )
+    try:
+        lines += _nvlink_lines(count)
+    except Exception as error:
+        lines.append(f"NVLink topology: not found ({str(error)[:100]})")
+    return lines
+
+
+def _cache_line() -> str:
+    from deep_ep.jit import cache
+
+    entries, size = cache.usage()
+    return f"{cache.root()} ({entries} entries, {_human_bytes(size)})"
+
+
+def _arch_line() -> str:
+    from deep_ep.jit import compiler, env
+    from deep_ep.jit import errors as jit_errors
+
+    configured = env.value(env.ARCH)
+    if configured is not None:
+        return f"{compiler.parse_arch(configured).name} (from {env.ARCH})"
+    try:
+        return f"{compiler.resolve_arch().name} (from the GPU)"
+    except jit_errors.JITError:
+        return f"none (no GPU; set {env.ARCH}, e.g. sm_90a, to compile)"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print versions, GPUs and the JIT cache; never fails."""
+    import deep_ep
+
+    rows: list[tuple[str, str]] = [
+        ("deep_ep", f"{deep_ep.__version__} ({Path(deep_ep.__file__).resolve().parent})"),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("torch", _try(_torch_line)),
+        ("CUDA runtime", _try(_cuda_runtime_line)),
+        ("CUDA driver", _try_quiet(_driver_line, "none")),
+        ("nvcc", _try(_nvcc_line)),
+        *_nccl_lines(),
+        ("cuda-python", _try(lambda: _version("cuda-python"))),
+        ("cuda-bindings", _try(lambda: _version("cuda-bindings"))),
+        ("cuda-core", _try(lambda: _version("cuda-core"))),
+        ("JIT cache", _try(_cache_line)),
+        ("JIT arch", _try(_arch_line, "not set")),
+    ]
+    width = max(len(name) for name, _ in rows) + 2
+    for name, value in rows:
+        print(f"{name:<{width}}{value}")
+    gpu_lines = [_try(lambda: "\n".join(_gpu_lines()), "none")]
+    print(f"{'GPUs':<{width}}" + gpu_lines[0].replace("\n", "\n" + " " * width))
+    return 0
+
+
+def cmd_jit_list(args: argparse.Namespace) -> int:
+    """List the JIT cache entries: kind, name, arch, size, date, key."""
+    from deep_ep.jit import cache
+
+    found = cache.entries()
+    print(f"{cache.root()}: {len(found)} entries")
+    for entry in found:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.metadata.get("created", 0)))
+        arch = entry.metadata.get("arch", "host")
+        print(
+            f"  {entry.kind:<8}{entry.name:<48} {arch:<9}{_human_bytes(entry.metadata['size']):>10}  {created}  {entry.key[:12]}"
+        )
+    return 0
+
+
+def cmd_jit_clear(args: argparse.Namespace) -> int:
+    """Delete every JIT cache entry."""
+    from deep_ep.jit import cache
+
+    print(f"removed {cache.clear()} entries from {cache.root()}")
+    return 0
+
+
+def default_warmup_specs() -> list[Any]:
+    """The kernels to warm up when `deep_ep.kernels` (the registry of library kernels) is absent."""
+    from deep_ep.jit import KernelSpec
+    from deep_ep.paths import get_include_dir
+
+    return [
+        KernelSpec(
+            header="deep_ep/kernels/peer_store.cuh",
+            name="deep_ep::peer_store_impl",
+            template_args=(512,),
+            param_types=("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t"),
+            include_dirs=(str(get_include_dir()),),
+            use_nccl=True,
+        )
+    ]
+
+
+def warmup_specs() -> list[Any]:
+    """`deep_ep.kernels.warmup_specs()` when that module exists, else `default_warmup_specs()`."""
+    if importlib.util.find_spec("deep_ep.kernels") is not None:
+        return list(importlib.import_module("deep_ep.kernels").warmup_specs())
+    return default_warmup_specs()
+
+
+def cmd_jit_warmup(args: argparse.Namespace) -> int:
+    """Compile the library's kernels into the cache in parallel (ninja), with a progress bar."""
+    from deep_ep.jit import compile_many, stats
+
+    specs = warmup_specs()
+    if args.filter:
+        pattern = re.compile(args.filter)
+        specs = [spec for spec in specs if pattern.search(spec.display_name)]
+    if args.dry_run:
+        from deep_ep.jit import cache, plan_build
+
+        for spec in specs:
+            cached = cache.lookup("kernels", plan_build(spec, arch=args.arch).key) is not None
+            print(f"  {'cached ' if cached else 'missing'} {spec.display_name}")
+        print(f"{len(specs)} kernels")
+        return 0
+    started = time.perf_counter()
+    before = stats().get("compile", 0)
+    entries = compile_many(specs, arch=args.arch, jobs=args.jobs, progress=not args.no_progress)
+    compiled = stats().get("compile", 0) - before
+    print(
+        f"{len(entries)} kernels ready ({compiled} compiled, {len(entries) - compiled} cached) in {time.perf_counter() - started:.1f} s"
+    )
+    return 0
+
+
+def register_info(subparsers: Any) -> None:
+    """`deep-ep info`."""
+    parser = subparsers.add_parser(
+        "info", help="print versions (torch, CUDA, nvcc, NCCL, cuda-python), GPUs and the JIT cache"
+    )
+    parser.set_defaults(handler=cmd_info)
+
+
+def register_jit(subparsers: Any) -> None:
+    """`deep-ep jit {list,clear,warmup}`."""
+    parser = subparsers.add_parser("jit", help="inspect, clear or fill the JIT kernel cache")
+    actions = parser.add_subparsers(dest="jit_command", required=True, metavar="{list,clear,warmup}")
+    actions.add_parser("list", help="list cached kernels and host shims").set_defaults(handler=cmd_jit_list)
+    actions.add_parser("clear", help="delete every cache entry").set_defaults(handler=cmd_jit_clear)
+    warmup = actions.add_parser("warmup", help="compile the library's kernels in parallel (ninja)")
+    warmup.add_argument("--arch", default=None, help="target such as sm_90a (default: EP_JIT_ARCH, else the GPU)")
+    warmup.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
+    warmup.add_argument("--no-progress", action="store_true", help="no progress bar")
+    warmup.add_argument("--filter", default=None, help="only kernels whose name matches this regular expression")
+    warmup.add_argument("--dry-run", action="store_true", help="list the kernels and whether they are cached")
+    warmup.set_defaults(handler=cmd_jit_warmup)
+
+
+def register_commands(subparsers: Any) -> None:
+    """Register every subcommand. Each one is a `register_<name>(subparsers)` function.
+
+    NOTES: `bench` and `plan` are added here by their owners, e.g.
+    `from deep_ep.bench_cli import register_bench; register_bench(subparsers)`.
+    """
+    register_info(subparsers)
+    register_jit(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `deep-ep` argument parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(prog="deep-ep", description="deep_ep: expert-parallel dispatch/combine tools")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register_commands(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `deep-ep` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except Exception as error:
+        from deep_ep.jit.errors import JITError
+
+        if isinstance(error, (JITError, OSError, ValueError)):
+            print(f"deep-ep: error: {error}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
