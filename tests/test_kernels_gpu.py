@@ -138,8 +138,9 @@ def _sweep_rank(rank, num_ranks, seed, cases):
             if case["cached"]:
                 x2 = _make_inputs(rank, num_ranks, num_tokens, case["hidden"], case["fp8"], case["masked"],
                                   case["imbalanced"], 0, seed + 1000 + i)[0]
-                cached = {b: buffers[b].dispatch(x2, handle=o[3], topk_weights=weights,
-                                                 do_zero_padding=case["expand"], num_sms=case["num_sms"])
+                cached = {b: buffers[b].dispatch(x2, handle=o[3], topk_weights=weights, do_expand=case["expand"],
+                                                 do_zero_padding=case["expand"], num_sms=case["num_sms"],
+                                                 use_tma_aligned_col_major_sf=case["col_major"])
                           for b, o in outs.items()}  # fmt: skip
                 _check_dispatch(cached["kernels"], cached["reference"], case["expand"], case["expand"])
             y, w = _combine_input(h_k, case["expand"], gen)
@@ -302,11 +303,11 @@ def _graph_rank(rank, num_ranks, seed):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            kernels_buf.dispatch(static_x, handle=handle_k)  # warm-up outside capture (JIT load)
+            kernels_buf.dispatch(static_x, handle=handle_k, do_expand=do_expand)  # warm-up outside capture (JIT load)
             kernels_buf.combine(static_y, handle_k, bias=static_bias)
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, stream=stream):
-                recv = kernels_buf.dispatch(static_x, handle=handle_k)[0]
+                recv = kernels_buf.dispatch(static_x, handle=handle_k, do_expand=do_expand)[0]
                 combined = kernels_buf.combine(static_y, handle_k, bias=static_bias)[0]
         torch.cuda.current_stream().wait_stream(stream)
 
@@ -319,7 +320,7 @@ def _graph_rank(rank, num_ranks, seed):
             static_y.copy_(torch.randn(static_y.shape, generator=gen, device="cuda").to(torch.bfloat16))
             graph.replay()
             torch.cuda.synchronize()
-            ref = reference_buf.dispatch(new_x, handle=handle_r)
+            ref = reference_buf.dispatch(new_x, handle=handle_r, do_expand=do_expand)
             num_recv = int(handle_k.psum_num_recv_tokens_per_scaleup_rank[-1])
             if do_expand:
                 real_rows = _real_rows(handle_k)[0]
