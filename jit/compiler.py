@@ -40,8 +40,12 @@ def count_invocation() -> None:
         _invocations += 1
 
 
+_DEFAULT_NVCC = Path("/usr/local/cuda/bin/nvcc")
+
+
 def find_nvcc() -> Path:
-    """Return the nvcc to use: `EP_JIT_NVCC_COMPILER`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on `PATH`.
+    """Return the nvcc to use: `EP_JIT_NVCC_COMPILER`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on `PATH`,
+    else the toolkit's default location `/usr/local/cuda/bin/nvcc`.
 
     Raises:
         JITError: when none of them exists.
@@ -56,6 +60,8 @@ def find_nvcc() -> Path:
     if cuda_home is not None and (Path(cuda_home) / "bin" / "nvcc").is_file():
         return (Path(cuda_home) / "bin" / "nvcc").resolve()
     found = shutil.which("nvcc")
+    if found is None and _DEFAULT_NVCC.is_file():
+        found = str(_DEFAULT_NVCC)
     if found is None:
         raise JITError(f"nvcc not found: set {env.NVCC_COMPILER} or CUDA_HOME, or put nvcc on PATH")
     return Path(found).resolve()
