@@ -1,0 +1,342 @@
+"""The interface between `ElasticBuffer` (the facade) and the objects that move the data.
+
+`ElasticBuffer` validates every argument, owns the communication stream and the events, and then
+hands one normalized request to a backend: `deep_ep.reference.ReferenceBackend` (torch collectives,
+any process group) or `deep_ep.kernels.KernelBackend` (the JIT-compiled NVLink kernels). A backend
+never validates user input again and never touches streams other than the current one.
+
+Notation used below: `N` ranks, this rank `r`, `E` experts, `L = E / N` local experts (rank `r` owns
+global experts `[r * L, (r + 1) * L)`), `T` tokens on this rank, `H` hidden, `K` top-k lanes,
+`S` scale packs per token (`ceil(H / 128)` FP32 scales or `ceil(H / 512)` packed UE8M0 words),
+`Tmax` = `num_max_tokens_per_rank`, `a` = `expert_alignment`, `align(n, a)` = `n` rounded up to a
+multiple of `a`. `R` is the number of distinct tokens this rank receives, `count_e` the number of
+(token, lane) pairs routed to local expert `e`. The exact semantics are written in `docs/semantics.md`;
+every backend must produce bitwise the same real rows as the reference backend.
+
+Streams: the facade calls `dispatch`, `combine` and `barrier` with the buffer's communication stream
+as the current CUDA stream (after it waited for the compute stream or `previous_event`). A backend
+enqueues all its device work on the current stream and allocates its outputs with the ordinary torch
+allocator while that stream is current; the facade then records events and `record_stream`s. On CPU
+process groups there are no streams and the same calls simply run.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from deep_ep.utils.math import align
+
+if TYPE_CHECKING:
+    from deep_ep.handle import EPHandle
+
+# The buffer size granularity (the symmetric memory window is mapped in 2 MiB pages)
+BUFFER_ALIGNMENT_BYTES = 2 << 20
+
+# Scale packs of the TMA-aligned column-major layout are padded to this many tokens
+TMA_ALIGNED_SF_TOKENS = 4
+
+
+class ScaleKind(str, enum.Enum):
+    """The format of the FP8 scales that travel with the data (the library never converts them)."""
+
+    NONE = "none"
+    """BF16 data, no scales."""
+    FP32 = "fp32"
+    """`torch.float32` `[T, ceil(H / 128)]`: one scale per 128-element block."""
+    UE8M0 = "ue8m0"
+    """`torch.int32` `[T, ceil(H / 512)]`: 4 biased exponents per word, byte `j` of word `w` = block `4w + j`."""
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """What a backend is constructed with (the facade's validated constructor arguments).
+
+    Attributes:
+        rank_idx: this rank `r` in the group.
+        num_ranks: the group size `N`.
+        device: the device of every tensor: `cpu` for gloo groups, the current `cuda:i` for NCCL groups.
+        num_bytes: the buffer size in bytes (2 MiB aligned); `0` when the backend needs none.
+        num_max_tokens_per_rank: the default `Tmax` (`0` = every call passes its own).
+        hidden: the hidden size the buffer was sized for (`0` = not given); calls use at most this.
+        num_topk: the top-k the buffer was sized for (`0` = not given); calls use at most this.
+        use_fp8_dispatch: whether the buffer was sized for FP8 dispatch records.
+        deterministic: V2's flag (our row order is always deterministic).
+        allow_hybrid_mode: whether hierarchical (scale-out + scale-up) mode may be used.
+        allow_multiple_reduction: the expand-mode combine rule (see `CombineRequest`).
+        prefer_overlap_with_compute: prefer fewer SMs.
+        num_allocated_qps: the number of RDMA queue pairs allocated.
+        num_cpu_timeout_secs: the deadline of every host-side wait.
+        num_gpu_timeout_secs: the deadline of every device-side wait.
+    """
+
+    rank_idx: int
+    num_ranks: int
+    device: torch.device
+    num_bytes: int
+    num_max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+    use_fp8_dispatch: bool
+    deterministic: bool
+    allow_hybrid_mode: bool
+    allow_multiple_reduction: bool
+    prefer_overlap_with_compute: bool
+    num_allocated_qps: int
+    num_cpu_timeout_secs: float
+    num_gpu_timeout_secs: float
+
+
+@dataclass(frozen=True)
+class DispatchRequest:
+    """One validated, normalized dispatch call.
+
+    Every tensor is on the buffer's device. Input tensors are never modified, except
+    `cumulative_local_expert_recv_stats`.
+
+    Attributes:
+        x: `[T, H]` data, `torch.bfloat16` or `torch.float8_e4m3fn`, contiguous, `T <= Tmax`, `T` may be 0,
+            `H * x.element_size()` a multiple of 16.
+        scales: `None` for BF16; else `[T, S]` with `torch.float32` (`ScaleKind.FP32`) or `torch.int32`
+            (`ScaleKind.UE8M0`), arbitrary strides (V2 accepts e.g. a column-major scale tensor).
+        scale_kind: the format of `scales`.
+        topk_idx: `[T, K]` with `torch.int64`, contiguous, values in `[-1, E)`, no repeated expert in a
+            row; for a cached dispatch this is `cached_handle.topk_idx`.
+        topk_weights: `[T, K]` with `torch.float32`, contiguous, or `None`.
+        cumulative_local_expert_recv_stats: `[L]` with `torch.int32`, contiguous, or `None`; the backend
+            adds `count_e` to element `e` (in place), also in a cached dispatch.
+        num_experts: `E`, a multiple of `N`.
+        num_max_tokens_per_rank: `Tmax` (the same on all ranks, by contract).
+        expert_alignment: `a >= 1`.
+        num_sms: the SM count to use (resolved, `> 0`).
+        num_qps: the queue-pair count to use (resolved, `> 0`).
+        do_cpu_sync: exact output shapes (`True`) or worst-case shapes (`False`, see `DispatchResult`).
+            Always `False` for a cached dispatch (which reuses the shapes of `cached_handle`).
+        do_expand: the expanded layout (one row per (token, local expert)).
+        do_zero_padding: zero the alignment padding rows of the expanded layout (implies `do_expand`).
+        use_tma_aligned_col_major_sf: return the scales as `[rows, S]` with strides
+            `(1, align(rows, 4))` (storage `[S, align(rows, 4)]`, transposed view).
+        deterministic: the buffer's flag (informational: the row order is always the one documented).
+        allow_multiple_reduction: the buffer's flag (informational for dispatch).
+        cached_handle: the handle of an earlier dispatch of this buffer (same routing, same mode), or
+            `None`. With a handle, the backend reuses its layout and `backend_state`.
+    """
+
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    scale_kind: ScaleKind
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor | None
+    cumulative_local_expert_recv_stats: torch.Tensor | None
+    num_experts: int
+    num_max_tokens_per_rank: int
+    expert_alignment: int
+    num_sms: int
+    num_qps: int
+    do_cpu_sync: bool
+    do_expand: bool
+    do_zero_padding: bool
+    use_tma_aligned_col_major_sf: bool
+    deterministic: bool
+    allow_multiple_reduction: bool
+    cached_handle: EPHandle | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def num_topk(self) -> int:
+        return self.topk_idx.shape[1]
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    """What a backend's dispatch returns (the facade turns it into the V2 return tuple and `EPHandle`).
+
+    Row counts: `num_recv_tokens` rows for the non-expanded outputs and `recv_src_metadata`;
+    `num_expanded_tokens` rows for the expanded outputs.
+    - With CPU sync: `num_recv_tokens = R` and `num_expanded_tokens = sum_e align(count_e, a)`.
+    - Without (worst case, what a kernel can allocate before the counts are known):
+      `num_recv_tokens = N * Tmax` and
+      `num_expanded_tokens = align(N * Tmax * min(K, L) + L * (a - 1), a)`; rows past the real ones
+      (`R`, resp. `sum_e align(count_e, a)`) are unspecified.
+    - A cached dispatch returns the counts (and shapes) of the dispatch that made the handle.
+
+    Attributes:
+        recv_x: non-expand `[num_recv_tokens, H]`, expand `[num_expanded_tokens, H]`, dtype of `x`.
+            Non-expand rows are grouped by source rank ascending and, inside a group, in source token
+            order. Expand: local expert `e`'s block starts at `offset_e = sum_{j<e} align(count_j, a)`
+            and holds its (token, lane) pairs ordered by (source rank, source token); the padding rows
+            after each block are zero with `do_zero_padding`, unspecified otherwise.
+        recv_scales: `None` for BF16; else the scales of `recv_x`'s rows, same dtype as `scales`,
+            row-major `[rows, S]` or, with `use_tma_aligned_col_major_sf`, strides `(1, align(rows, 4))`.
+        recv_topk_idx: non-expand `[num_recv_tokens, K]` with `torch.int64` (local expert id for lanes whose
+            expert is on this rank, `-1` otherwise); `None` in expand mode.
+        recv_topk_weights: `None` if no weights were dispatched; non-expand `[num_recv_tokens, K]`
+            `torch.float32` (the source row, all lanes, unchanged); expand `[num_expanded_tokens]`
+            `torch.float32` (the weight of the row's lane; `0` on padding rows with `do_zero_padding`).
+        num_recv_tokens: see above (`int`).
+        num_expanded_tokens: see above (`int`), in both modes.
+        num_recv_tokens_per_expert_list: `[align(count_e, a) for e in range(L)]` with CPU sync, else `None`.
+        psum_num_recv_tokens_per_scaleup_rank: `[N]` `torch.int32`, inclusive prefix sum of the number of
+            rows received from each source rank (last element = `R`), exact in both sync modes.
+        psum_num_recv_tokens_per_expert: `[L]` `torch.int32`, non-expand: inclusive prefix sum of
+            `align(count_e, a)`; expand: `offset_e + count_e`.
+        num_unaligned_recv_tokens_per_expert: `[L]` `torch.int32`, `count_e`.
+        recv_src_metadata: `[num_recv_tokens, 2 + K]` `torch.int32`, one row per received token in the
+            non-expand row order: `src_rank * Tmax + src_token_idx`, `src_rank`, then per lane the
+            expanded row of that (token, lane) if the lane's expert is local and `do_expand`, else `-1`.
+        dst_buffer_slot_idx: `[T, K]` `torch.int32`: for a valid lane, the token's slot at the lane's
+            destination rank (its index among this rank's tokens sent to that rank); `-1` for `-1` lanes.
+        backend_state: anything the backend needs later for a cached dispatch or a combine.
+    """
+
+    recv_x: torch.Tensor
+    recv_scales: torch.Tensor | None
+    recv_topk_idx: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list[int] | None
+    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
+    psum_num_recv_tokens_per_expert: torch.Tensor
+    num_unaligned_recv_tokens_per_expert: torch.Tensor
+    recv_src_metadata: torch.Tensor
+    dst_buffer_slot_idx: torch.Tensor
+    backend_state: Any
+
+
+@dataclass(frozen=True)
+class CombineRequest:
+    """One validated, normalized combine call.
+
+    Attributes:
+        x: `[rows, H]` `torch.bfloat16`, contiguous, `rows = handle.num_recv_tokens` (non-expand) or
+            `handle.num_expanded_tokens` (expand); only the real rows are read.
+        handle: the handle of a dispatch of this buffer (`T = handle.num_tokens` tokens combine back).
+        topk_weights: `None`; non-expand `[rows, K]` `torch.float32`; expand `[rows]` `torch.float32`.
+        bias_0: `[T, H]` `torch.bfloat16`, contiguous, or `None`.
+        bias_1: `[T, H]` `torch.bfloat16`, contiguous, or `None` (only given together with `bias_0`).
+        num_sms: the SM count (resolved, `> 0`).
+        num_qps: the queue-pair count (resolved, `> 0`).
+        allow_multiple_reduction: the expand-mode rule. `True`: each holder rank first sums its local
+            lanes' rows (FP32, lanes ascending) and rounds to BF16, one row per (token, holder) travels.
+            `False`: every lane's row travels and only the home rank sums.
+
+    Result (`CombineResult`): `combined_x[t]` = `+0.0` (FP32), plus `fp32(contribution_d(t))` for the
+    holder ranks `d` of token `t` in ascending order (expand without multiple reduction: plus each
+    lane's row, holder ranks ascending, lanes ascending inside a rank), plus `fp32(bias_0[t])`, plus
+    `fp32(bias_1[t])`, then one rounding to BF16.
+    """
+
+    x: torch.Tensor
+    handle: EPHandle
+    topk_weights: torch.Tensor | None
+    bias_0: torch.Tensor | None
+    bias_1: torch.Tensor | None
+    num_sms: int
+    num_qps: int
+    allow_multiple_reduction: bool
+
+
+@dataclass(frozen=True)
+class CombineResult:
+    """What a backend's combine returns.
+
+    Attributes:
+        combined_x: `[T, H]` `torch.bfloat16`.
+        combined_topk_weights: `None` if the request had no weights; else `[T, K]` `torch.float32`: lane `k`
+            holds the weight the holder rank of lane `k`'s expert gave for that lane (non-expand: its
+            `topk_weights[row of t, k]`; expand: `topk_weights[expanded row of (t, k)]`), `0` on `-1` lanes.
+    """
+
+    combined_x: torch.Tensor
+    combined_topk_weights: torch.Tensor | None
+
+
+def default_buffer_size_hint(
+    num_ranks: int,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int = 0,
+    use_fp8_dispatch: bool = False,
+    allow_multiple_reduction: bool = True,
+) -> int:
+    """A simple buffer size: one receive slot per (source rank, token) for dispatch and combine records.
+
+    Dispatch record: data (`H` bytes FP8 + `4 * ceil(H / 128)` scale bytes, or `2 * H` BF16), top-k ids
+    (8 bytes per lane), weights (4 bytes per lane) and 16 bytes of metadata, padded to 16 bytes.
+    Combine record: `2 * H` BF16 plus weights, `K` of them per token without multiple reduction.
+    `num_topk = 0` counts as 32 lanes (the worst case). The result is aligned to 2 MiB.
+    """
+    num_topk = num_topk if num_topk > 0 else 32
+    data_bytes = hidden + 4 * ((hidden + 127) // 128) if use_fp8_dispatch else 2 * hidden
+    dispatch_record = align(data_bytes + 12 * num_topk + 16, 16)
+    combine_record = align(2 * hidden + 4 * num_topk, 16) * (1 if allow_multiple_reduction else num_topk)
+    num_slots = num_ranks * num_max_tokens_per_rank
+    return align(max(dispatch_record, combine_record) * num_slots, BUFFER_ALIGNMENT_BYTES)
+
+
+class EPBackend(abc.ABC):
+    """The data-moving half of an `ElasticBuffer`; see the module docstring for the contract.
+
+    A backend is constructed on every rank of the group at the same time (construction may communicate)
+    and is used by one buffer only. Its methods are called collectively: every rank of the group calls
+    the same method in the same order.
+    """
+
+    name: ClassVar[str] = "abstract"
+
+    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
+        self.group = group
+        self.config = config
+
+    @classmethod
+    def get_buffer_size_hint(
+        cls,
+        group: dist.ProcessGroup,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+    ) -> int:
+        """Return the buffer bytes this backend needs for the MoE shape (2 MiB aligned); no communication."""
+        return default_buffer_size_hint(
+            group.size(), num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_multiple_reduction
+        )
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """Return `(num_scaleout_ranks, num_scaleup_ranks)`; one scale-up domain by default."""
+        return 1, self.config.num_ranks
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """Return `(num_rdma_ranks, num_nvlink_ranks)`; one NVLink domain by default."""
+        return 1, self.config.num_ranks
+
+    @abc.abstractmethod
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        """Send every token to the ranks that own its experts (collective)."""
+
+    @abc.abstractmethod
+    def combine(self, request: CombineRequest) -> CombineResult:
+        """Send every received row back to its token's rank and reduce there (collective)."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank reached this call (collective, with the CPU deadline)."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Release the backend's resources; must not communicate, may be called more than once."""
