@@ -1,0 +1,577 @@
+"""`ElasticBuffer`: the public facade (DeepEP V2's API) over a backend.
+
+The facade validates every argument (`deep_ep.validation`), owns the communication stream and the
+events, and hands normalized requests to one backend object (`deep_ep.backend.EPBackend`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deep_ep.backend import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend
+from deep_ep.errors import EPTimeoutError
+from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
+from deep_ep.handle import EPHandle
+from deep_ep.validation import ValidationContext, as_bool, as_int, validate_combine, validate_dispatch
+
+# The dtype of `topk_idx` (V2's `deep_ep.topk_idx_t`)
+topk_idx_t = torch.int64
+
+_BACKEND_NAMES = ("auto", "kernels", "reference")
+_buffer_ids = itertools.count(1)
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device of a group's tensors: the current CUDA device for NCCL groups, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _kernels_supported_here(group: dist.ProcessGroup) -> bool:
+    """Whether `deep_ep.kernels` imports and accepts this group (local answer, no communication)."""
+    if _group_device(group).type != "cuda":
+        return False
+    try:
+        import deep_ep.kernels as kernels
+    except ImportError:
+        return False
+    return bool(kernels.is_supported(group))
+
+
+def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = True) -> type[EPBackend]:
+    """Choose the backend class for `group`.
+
+    `'reference'` -> `ReferenceBackend`; `'kernels'` -> `deep_ep.kernels.KernelBackend` (an error if it
+    does not import or does not support the group); `'auto'` -> the kernels when the group is NCCL on
+    CUDA, `deep_ep.kernels` imports and `deep_ep.kernels.is_supported(group)` says yes (it checks that
+    every rank is in one NVLink domain) on every rank, else the reference. With `agree`, the ranks of an
+    NCCL group exchange their local answers so that all of them choose the same backend.
+    """
+    if backend not in _BACKEND_NAMES:
+        raise ValueError(f"ElasticBuffer: `backend` must be one of {_BACKEND_NAMES}, got {backend!r}")
+    if backend == "reference":
+        from deep_ep.reference import ReferenceBackend
+
+        return ReferenceBackend
+    if backend == "kernels":
+        try:
+            import deep_ep.kernels as kernels
+        except ImportError as error:
+            raise ValueError(
+                f"ElasticBuffer: `backend`='kernels' needs deep_ep.kernels, which failed to import: {error}"
+            ) from error
+        if not kernels.is_supported(group):
+            raise ValueError(
+                "ElasticBuffer: `backend`='kernels' does not support this group (deep_ep.kernels.is_supported is False)"
+            )
+        return kernels.KernelBackend
+    use_kernels = _kernels_supported_here(group)
+    if agree and _group_device(group).type == "cuda":
+        votes = torch.tensor([int(use_kernels)], dtype=torch.int32, device=_group_device(group))
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+        use_kernels = bool(votes.item())
+    return select_backend_class(group, "kernels" if use_kernels else "reference")
+
+
+class ElasticBuffer:
+    """The expert-parallel communication buffer (dispatch and combine), source-compatible with DeepEP V2.
+
+    Attributes:
+        group: the communication group.
+        rank_idx: this rank's index in the group.
+        num_ranks: the number of ranks in the group.
+        device: the device of every tensor argument and result.
+        backend: the backend object (`backend.name` says which).
+        num_bytes: the buffer size in bytes.
+        num_max_tokens_per_rank: the default maximum number of tokens per rank.
+        hidden: the hidden size the buffer was sized for (`0` = any).
+        num_topk: the top-k the buffer was sized for (`0` = any).
+        deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: V2's flags.
+        num_allocated_qps: the number of RDMA queue pairs.
+        num_scaleout_ranks, num_scaleup_ranks, scaleout_rank_idx, scaleup_rank_idx: the logical domains.
+        num_rdma_ranks, num_nvlink_ranks: the physical domains.
+        explicitly_destroy: whether `destroy()` must be called (V2).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_bytes: int | None = None,
+        num_max_tokens_per_rank: int = 0,
+        hidden: int = 0,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        deterministic: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+        prefer_overlap_with_compute: bool = True,
+        num_allocated_qps: int = 0,
+        num_cpu_timeout_secs: int = 300,
+        num_gpu_timeout_secs: int = 100,
+        explicitly_destroy: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        """Create the buffer on every rank of `group` (collective).
+
+        Arguments:
+            group: the communication group (gloo: CPU tensors; NCCL: tensors on the current CUDA device).
+            num_bytes: the buffer size in bytes (a multiple of 2 MiB); `None` sizes it from the MoE shape.
+            num_max_tokens_per_rank: the default maximum number of tokens per rank (the same on all ranks).
+            hidden: the hidden size; calls may use any hidden up to it.
+            num_topk: the number of top-k lanes; calls may use up to it (`0`: any).
+            use_fp8_dispatch: size the buffer for FP8 dispatch records.
+            deterministic: V2's flag; our row order is always deterministic.
+            allow_hybrid_mode: allow hierarchical (scale-out + scale-up) communication.
+            allow_multiple_reduction: in expand-mode combine, reduce each rank's lanes before sending.
+            prefer_overlap_with_compute: prefer fewer SMs.
+            num_allocated_qps: RDMA queue pairs to allocate (`0`: automatic).
+            num_cpu_timeout_secs: the deadline of host-side waits.
+            num_gpu_timeout_secs: the deadline of device-side waits.
+            explicitly_destroy: require an explicit `destroy()` (otherwise the destructor releases).
+            backend: `'auto'`, `'kernels'` or `'reference'` (see `select_backend_class`).
+        """
+        op = "ElasticBuffer"
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{op}: `group` must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        num_max_tokens_per_rank = as_int(op, "num_max_tokens_per_rank", num_max_tokens_per_rank)
+        hidden = as_int(op, "hidden", hidden)
+        num_topk = as_int(op, "num_topk", num_topk)
+        num_allocated_qps = as_int(op, "num_allocated_qps", num_allocated_qps)
+        flags = {
+            name: as_bool(op, name, value)
+            for name, value in (
+                ("use_fp8_dispatch", use_fp8_dispatch),
+                ("deterministic", deterministic),
+                ("allow_hybrid_mode", allow_hybrid_mode),
+                ("allow_multiple_reduction", allow_multiple_reduction),
+                ("prefer_overlap_with_compute", prefer_overlap_with_compute),
+                ("explicitly_destroy", explicitly_destroy),
+            )
+        }
+        for name, value in (
+            ("num_cpu_timeout_secs", num_cpu_timeout_secs),
+            ("num_gpu_timeout_secs", num_gpu_timeout_secs),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{op}: `{name}` must be a positive number of seconds, got {value!r}")
+        backend_class = select_backend_class(group, backend)
+        if num_bytes is None:
+            if num_max_tokens_per_rank <= 0 or hidden <= 0:
+                raise ValueError(
+                    f"{op}: without `num_bytes`, `num_max_tokens_per_rank` and `hidden` must be positive, "
+                    f"got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}"
+                )
+            num_bytes = backend_class.get_buffer_size_hint(
+                group, num_max_tokens_per_rank, hidden, num_topk, flags["use_fp8_dispatch"],
+                flags["allow_hybrid_mode"], flags["allow_multiple_reduction"],
+            )  # fmt: skip
+        num_bytes = as_int(op, "num_bytes", num_bytes)
+        if num_bytes % BUFFER_ALIGNMENT_BYTES != 0:
+            raise ValueError(
+                f"{op}: `num_bytes` must be a multiple of {BUFFER_ALIGNMENT_BYTES} (2 MiB), got {num_bytes}"
+            )
+        if num_allocated_qps == 0:
+            num_allocated_qps = 65 if flags["allow_hybrid_mode"] else 17
+
+        self.group = group
+        self.rank_idx = group.rank()
+        self.num_ranks = group.size()
+        self.device = _group_device(group)
+        self.num_bytes = num_bytes
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.use_fp8_dispatch = flags["use_fp8_dispatch"]
+        self.deterministic = flags["deterministic"]
+        self.allow_hybrid_mode = flags["allow_hybrid_mode"]
+        self.allow_multiple_reduction = flags["allow_multiple_reduction"]
+        self.prefer_overlap_with_compute = flags["prefer_overlap_with_compute"]
+        self.num_allocated_qps = num_allocated_qps
+        self.explicitly_destroy = flags["explicitly_destroy"]
+        self.buffer_id = next(_buffer_ids)
+        config = BufferConfig(
+            rank_idx=self.rank_idx,
+            num_ranks=self.num_ranks,
+            device=self.device,
+            num_bytes=num_bytes,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            hidden=hidden,
+            num_topk=num_topk,
+            use_fp8_dispatch=self.use_fp8_dispatch,
+            deterministic=self.deterministic,
+            allow_hybrid_mode=self.allow_hybrid_mode,
+            allow_multiple_reduction=self.allow_multiple_reduction,
+            prefer_overlap_with_compute=self.prefer_overlap_with_compute,
+            num_allocated_qps=num_allocated_qps,
+            num_cpu_timeout_secs=num_cpu_timeout_secs,
+            num_gpu_timeout_secs=num_gpu_timeout_secs,
+        )
+        self._failure: str | None = None
+        self.backend: EPBackend | None = backend_class(group, config)
+        self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._ctx = ValidationContext(
+            num_ranks=self.num_ranks,
+            device=self.device,
+            buffer_id=self.buffer_id,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            hidden=hidden,
+            num_topk=num_topk,
+            num_allocated_qps=num_allocated_qps,
+            deterministic=self.deterministic,
+            allow_multiple_reduction=self.allow_multiple_reduction,
+        )
+
+        # Logical and physical domains
+        self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
+        self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
+        self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
+        self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
+
+        # Without `explicitly_destroy`, the backend is released with the buffer (no communication)
+        if not self.explicitly_destroy:
+            self._finalizer = weakref.finalize(self, self.backend.destroy)
+        self.backend.barrier()
+
+    # Lifetime
+    def _live_backend(self, op: str) -> EPBackend:
+        if self.backend is None:
+            raise ValueError(f"{op}: the buffer must be alive, got a destroyed buffer (create a new ElasticBuffer)")
+        if self._failure is not None:
+            raise ValueError(
+                f"{op}: the buffer must be usable, got one that failed earlier ({self._failure}); destroy it"
+            )
+        return self.backend
+
+    def _run(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except EPTimeoutError as error:
+            self._failure = str(error)
+            raise
+
+    def destroy(self) -> None:
+        """Release the backend's resources (V2: needs `explicitly_destroy=True`); calling it again is a no-op."""
+        if not self.explicitly_destroy:
+            raise ValueError(
+                "destroy: needs a buffer created with `explicitly_destroy`=True, got explicitly_destroy=False"
+            )
+        if self.backend is not None:
+            self.backend.destroy()
+            self.backend = None
+
+    # Sizes and topology
+    @staticmethod
+    def get_buffer_size_hint(
+        group: dist.ProcessGroup,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+    ) -> int:
+        """Return the recommended buffer size in bytes (2 MiB aligned) for the MoE shape, without communication.
+
+        Arguments:
+            group: the communication group.
+            num_max_tokens_per_rank: the maximum number of tokens per rank.
+            hidden: the hidden size.
+            num_topk: the number of top-k lanes (`0`: the worst case).
+            use_fp8_dispatch: whether dispatch sends FP8 data with scales.
+            allow_hybrid_mode: whether hybrid mode may be used.
+            allow_multiple_reduction: whether expand-mode combine reduces before sending.
+
+        Returns:
+            num_bytes: the size, a multiple of 2 MiB.
+        """
+        backend_class = select_backend_class(group, "auto", agree=False)
+        return backend_class.get_buffer_size_hint(
+            group,
+            num_max_tokens_per_rank,
+            hidden,
+            num_topk,
+            use_fp8_dispatch,
+            allow_hybrid_mode,
+            allow_multiple_reduction,
+        )
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
+        """Return the SM count for dispatch/combine (a placeholder until the planner's bandwidth model).
+
+        Arguments:
+            num_experts: the number of experts.
+            num_topk: the number of top-k lanes.
+
+        Returns:
+            num_sms: 24 (64 without `prefer_overlap_with_compute`), at most the device's SM count.
+        """
+        num_sms = 24 if self.prefer_overlap_with_compute else 64
+        if self.device.type == "cuda":
+            num_sms = min(num_sms, torch.cuda.get_device_properties(self.device).multi_processor_count)
+        return num_sms
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """Return the RDMA queue-pair count for `num_sms` SMs (V2's rule), at most `num_allocated_qps`.
+
+        Arguments:
+            num_sms: the SM count of the call.
+
+        Returns:
+            num_qps: `num_sms * 16 + 1` in hybrid mode across domains, else `min(num_sms, 9)`.
+        """
+        use_hybrid = self.allow_hybrid_mode and self.num_scaleout_ranks > 1
+        num_qps = num_sms * 16 + 1 if use_hybrid else min(num_sms, 8 + 1)
+        return min(num_qps, self.num_allocated_qps)
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """Return `(num_rdma_ranks, num_nvlink_ranks)`."""
+        return self._live_backend("get_physical_domain_size").get_physical_domain_size()
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """Return `(num_scaleout_ranks, num_scaleup_ranks)`; the reference backend: `(1, num_ranks)`."""
+        return self._live_backend("get_logical_domain_size").get_logical_domain_size()
+
+    # Streams and events
+    @staticmethod
+    def capture() -> EventHandle:
+        """Capture an event on the current CUDA stream (a completed placeholder without CUDA).
+
+        Returns:
+            event: the `EventHandle`.
+        """
+        return EventHandle()
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """Return the communication stream (`None` for a CPU group)."""
+        return self._comm_stream
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """Wait until every rank reached the barrier (collective, with the CPU deadline).
+
+        Arguments:
+            use_comm_stream: run on the communication stream (else the current stream).
+            with_cpu_sync: synchronize the device before and after.
+            sequential: V2's flag (ignored: there is one domain).
+        """
+        backend = self._live_backend("barrier")
+        stream = self._comm_stream if use_comm_stream else None
+        if with_cpu_sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._run(backend.barrier)
+            torch.cuda.current_stream().wait_stream(stream)
+        else:
+            self._run(backend.barrier)
+        if with_cpu_sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # Communication
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: EventHandle | None = None,
+        previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        handle: EPHandle | None = None,
+        do_handle_copy: bool = True,
+        do_cpu_sync: bool | None = None,
+        do_expand: bool = False,
+        do_zero_padding: bool = False,
+        use_tma_aligned_col_major_sf: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
+        """Send every token to the ranks that own its experts (collective). See `docs/semantics.md`.
+
+        Arguments:
+            x: `[T, H]` `torch.bfloat16`, or a tuple `(data, scales)`: data `[T, H]` `torch.float8_e4m3fn`,
+                scales `[T, ceil(H / 128)]` `torch.float32` or packed UE8M0 `[T, ceil(H / 512)]` `torch.int32`.
+            topk_idx: `[T, K]` `deep_ep.topk_idx_t` (`torch.int64`), global expert ids, `-1` = none; `None`
+                with a cached `handle`.
+            topk_weights: `[T, K]` `torch.float32`, carried unchanged, or `None`.
+            cumulative_local_expert_recv_stats: `[L]` `torch.int32`, incremented in place by the per-expert
+                counts, or `None`.
+            num_experts: the number of experts `E` (a multiple of the number of ranks); from the handle if cached.
+            num_max_tokens_per_rank: `Tmax` (default: the buffer's, or the handle's).
+            expert_alignment: align each local expert's row count to this (default 1).
+            num_sms: SMs to use (`0`: `get_theoretical_num_sms`).
+            num_qps: queue pairs to use (`0`: `get_theoretical_num_qps`).
+            previous_event: an event the communication waits for (needs `allocate_on_comm_stream`).
+            previous_event_before_epilogue: an event the communication also waits for (V2 compatibility).
+            async_with_compute_stream: do not make the current stream wait; use the returned event.
+            allocate_on_comm_stream: outputs belong to the communication stream's memory pool.
+            handle: a cached handle of an earlier dispatch (then `topk_idx` must be `None`).
+            do_handle_copy: store a clone of `topk_idx` in the handle (else the tensor itself).
+            do_cpu_sync: exact output shapes (`None`: `True`, or `False` with a handle).
+            do_expand: one row per (token, local expert), each expert's block aligned.
+            do_zero_padding: zero the alignment padding rows (needs `do_expand`).
+            use_tma_aligned_col_major_sf: return the scales column-major, strides `(1, align(rows, 4))`.
+
+        Returns:
+            recv_x: `[rows, H]` like `x` (a tuple `(data, scales)` for FP8).
+            recv_topk_idx: `[rows, K]` `torch.int64` local expert ids or `-1`; `None` in expand mode.
+            recv_topk_weights: `[rows, K]` (expand: `[rows]`) `torch.float32`, or `None` without weights.
+            handle: the `EPHandle` (the given one for a cached dispatch).
+            event: an `EventOverlap` marking the end of the communication.
+        """
+        backend = self._live_backend("dispatch")
+        request = validate_dispatch(
+            self._ctx,
+            self.get_theoretical_num_sms,
+            self.get_theoretical_num_qps,
+            x=x,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            num_experts=num_experts,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            expert_alignment=expert_alignment,
+            num_sms=num_sms,
+            num_qps=num_qps,
+            previous_event=previous_event,
+            previous_event_before_epilogue=previous_event_before_epilogue,
+            async_with_compute_stream=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            handle=handle,
+            do_cpu_sync=do_cpu_sync,
+            do_expand=do_expand,
+            do_zero_padding=do_zero_padding,
+            use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+        )
+        do_handle_copy = as_bool("dispatch", "do_handle_copy", do_handle_copy)
+        async_with_compute_stream = as_bool("dispatch", "async_with_compute_stream", async_with_compute_stream)
+        allocate_on_comm_stream = as_bool("dispatch", "allocate_on_comm_stream", allocate_on_comm_stream)
+        scope = CommStreamScope(
+            self._comm_stream,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+        )
+        try:
+            result = self._run(lambda: backend.dispatch(request))
+            if handle is None:
+                handle = EPHandle(
+                    do_expand=request.do_expand,
+                    num_experts=request.num_experts,
+                    expert_alignment=request.expert_alignment,
+                    num_max_tokens_per_rank=request.num_max_tokens_per_rank,
+                    num_sms=request.num_sms,
+                    topk_idx=request.topk_idx.clone() if do_handle_copy else request.topk_idx,
+                    num_recv_tokens=result.num_recv_tokens,
+                    num_expanded_tokens=result.num_expanded_tokens,
+                    num_recv_tokens_per_expert_list=result.num_recv_tokens_per_expert_list,
+                    psum_num_recv_tokens_per_scaleup_rank=result.psum_num_recv_tokens_per_scaleup_rank,
+                    psum_num_recv_tokens_per_expert=result.psum_num_recv_tokens_per_expert,
+                    num_unaligned_recv_tokens_per_expert=result.num_unaligned_recv_tokens_per_expert,
+                    recv_src_metadata=result.recv_src_metadata,
+                    dst_buffer_slot_idx=result.dst_buffer_slot_idx,
+                    num_tokens=request.num_tokens,
+                    num_topk=request.num_topk,
+                    hidden=request.hidden,
+                    buffer_id=self.buffer_id,
+                    do_cpu_sync=request.do_cpu_sync,
+                    scale_kind=request.scale_kind,
+                    backend_state=result.backend_state,
+                )
+            inputs = (
+                request.x,
+                request.scales,
+                request.topk_idx,
+                request.topk_weights,
+                request.cumulative_local_expert_recv_stats,
+            )
+            outputs = (
+                result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights, handle.topk_idx,
+                handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
+                handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata, handle.dst_buffer_slot_idx,
+            )  # fmt: skip
+            event = scope.finish(inputs, outputs)
+        except BaseException:
+            scope.abort()
+            raise
+        recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
+        return recv_x, result.recv_topk_idx, result.recv_topk_weights, handle, EventOverlap(event)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: EPHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: EventHandle | None = None,
+        previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """Send every received row back to its token's rank and reduce there (collective).
+
+        Arguments:
+            x: `[rows, H]` `torch.bfloat16`, rows = `handle.num_recv_tokens` (expand: `handle.num_expanded_tokens`).
+            handle: the `EPHandle` of a dispatch of this buffer.
+            topk_weights: `[rows, K]` (expand: `[rows]`) `torch.float32`, transported back, or `None`.
+            bias: `None`, `[T, H]` `torch.bfloat16`, or a tuple of two, added after the reduction.
+            num_sms: SMs to use (`0`: the handle's).
+            num_qps: queue pairs to use (`0`: `get_theoretical_num_qps`).
+            previous_event: an event the communication waits for (needs `allocate_on_comm_stream`).
+            previous_event_before_epilogue: an event the communication also waits for (V2 compatibility).
+            async_with_compute_stream: do not make the current stream wait; use the returned event.
+            allocate_on_comm_stream: outputs belong to the communication stream's memory pool.
+
+        Returns:
+            combined_x: `[T, H]` `torch.bfloat16`, FP32 sums over the holder ranks (ascending) plus biases,
+                rounded once.
+            combined_topk_weights: `[T, K]` `torch.float32` (the holders' weights, `0` on `-1` lanes), or `None`.
+            event: an `EventOverlap` marking the end of the communication.
+        """
+        backend = self._live_backend("combine")
+        request = validate_combine(
+            self._ctx,
+            self.get_theoretical_num_qps,
+            x=x,
+            handle=handle,
+            topk_weights=topk_weights,
+            bias=bias,
+            num_sms=num_sms,
+            num_qps=num_qps,
+            previous_event=previous_event,
+            previous_event_before_epilogue=previous_event_before_epilogue,
+            async_with_compute_stream=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
+        async_with_compute_stream = as_bool("combine", "async_with_compute_stream", async_with_compute_stream)
+        allocate_on_comm_stream = as_bool("combine", "allocate_on_comm_stream", allocate_on_comm_stream)
+        scope = CommStreamScope(
+            self._comm_stream,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+        )
+        try:
+            result = self._run(lambda: backend.combine(request))
+            inputs = (request.x, request.topk_weights, request.bias_0, request.bias_1)
+            event = scope.finish(inputs, (result.combined_x, result.combined_topk_weights))
+        except BaseException:
+            scope.abort()
+            raise
+        return result.combined_x, result.combined_topk_weights, EventOverlap(event)

@@ -1,0 +1,394 @@
+"""Argument checks of `ElasticBuffer`: every input is checked here, before any communication.
+
+Each check raises `TypeError` (wrong Python type or dtype) or `ValueError` (shape, device,
+contiguity, value, combination of options) with a message that names the call, the argument, the
+expected and the actual value, e.g. "dispatch: `topk_idx` must have dtype torch.int64, got torch.int32".
+
+The value checks of `topk_idx` (range and repeated experts) read the tensor on the host (one
+synchronization). They are skipped while a CUDA graph is being captured and when the environment
+variable `EP_CHECK_VALUES=0` is set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deep_ep.backend import CombineRequest, DispatchRequest, ScaleKind
+from deep_ep.event import EventHandle
+from deep_ep.handle import EPHandle
+from deep_ep.utils.math import ceil_div
+
+
+@dataclass(frozen=True)
+class ValidationContext:
+    """What the checks need to know about the buffer.
+
+    Attributes:
+        num_ranks: the group size `N`.
+        device: where every tensor must live.
+        buffer_id: the identity of the buffer (handles must come from it).
+        num_max_tokens_per_rank: the buffer's default `Tmax` (`0`: none).
+        hidden: the buffer's hidden size (`0`: any).
+        num_topk: the buffer's top-k (`0`: any).
+        num_allocated_qps: the most queue pairs a call may use.
+        deterministic: the buffer's flag, copied into the requests.
+        allow_multiple_reduction: the buffer's flag, copied into the requests.
+    """
+
+    num_ranks: int
+    device: torch.device
+    buffer_id: int
+    num_max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+    num_allocated_qps: int
+    deterministic: bool
+    allow_multiple_reduction: bool
+
+
+def value_checks_enabled() -> bool:
+    """Whether the host-side value checks of `topk_idx` run now (not while capturing a CUDA graph)."""
+    if os.environ.get("EP_CHECK_VALUES", "1") == "0":
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def as_bool(op: str, name: str, value: Any) -> bool:
+    """Accept `bool` and the ints `0`/`1` (V2's tests pass ints)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{op}: `{name}` must be a bool, got {value!r}")
+
+
+def as_int(op: str, name: str, value: Any, minimum: int = 0) -> int:
+    """Accept a non-bool integer `>= minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: `{name}` must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{op}: `{name}` must be >= {minimum}, got {value}")
+    return value
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t: Any,
+    dtype: torch.dtype | tuple[torch.dtype, ...],
+    shape: list[int | None] | None,
+    device: torch.device,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Check type, dtype, rank and shape (`None` = any size), device and contiguity of one tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        expected = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{op}: `{name}` must have dtype {expected}, got {t.dtype}")
+    if shape is not None:
+        if t.dim() != len(shape):
+            raise ValueError(f"{op}: `{name}` must be {len(shape)}D {shape}, got shape {_shape(t)}")
+        for expected_size, size in zip(shape, t.shape, strict=True):
+            if expected_size is not None and expected_size != size:
+                raise ValueError(f"{op}: `{name}` must have shape {shape}, got {_shape(t)}")
+    if t.device != device:
+        raise ValueError(f"{op}: `{name}` must be on device {device} (the buffer's), got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{op}: `{name}` must be contiguous, got strides {list(t.stride())}")
+    return t
+
+
+def check_event(op: str, name: str, event: Any) -> EventHandle | None:
+    if event is not None and not isinstance(event, EventHandle):
+        raise TypeError(
+            f"{op}: `{name}` must be a deep_ep EventHandle (from `ElasticBuffer.capture()`), got {type(event).__name__}"
+        )
+    return event
+
+
+def check_stream_args(
+    op: str, previous_event: Any, previous_event_before_epilogue: Any, allocate_on_comm_stream: bool
+) -> None:
+    """V2's rule: waiting on a previous event needs the outputs allocated on the communication stream."""
+    check_event(op, "previous_event", previous_event)
+    check_event(op, "previous_event_before_epilogue", previous_event_before_epilogue)
+    if previous_event is not None and not allocate_on_comm_stream:
+        raise ValueError(
+            f"{op}: `previous_event` needs `allocate_on_comm_stream`=True, got allocate_on_comm_stream=False"
+        )
+
+
+def check_handle(op: str, ctx: ValidationContext, handle: Any) -> EPHandle:
+    if not isinstance(handle, EPHandle):
+        raise TypeError(
+            f"{op}: `handle` must be an EPHandle (from `ElasticBuffer.dispatch`), got {type(handle).__name__}"
+        )
+    if handle.buffer_id != ctx.buffer_id:
+        raise ValueError(
+            f"{op}: `handle` must come from this buffer (buffer_id {ctx.buffer_id}), got one from buffer_id {handle.buffer_id}"
+        )
+    return handle
+
+
+def check_hidden(op: str, name: str, ctx: ValidationContext, hidden: int, element_size: int) -> None:
+    if hidden < 1 or (hidden * element_size) % 16 != 0:
+        raise ValueError(
+            f"{op}: `{name}` rows must be a positive multiple of 16 bytes, got hidden {hidden} x {element_size} bytes"
+        )
+    if ctx.hidden > 0 and hidden > ctx.hidden:
+        raise ValueError(f"{op}: `{name}` hidden must be <= {ctx.hidden} (the buffer's `hidden`), got {hidden}")
+
+
+def parse_dispatch_x(op: str, ctx: ValidationContext, x: Any) -> tuple[torch.Tensor, torch.Tensor | None, ScaleKind]:
+    """Split `x` into (data, scales, scale kind) and check both tensors."""
+    if isinstance(x, torch.Tensor):
+        check_tensor(op, "x", x, torch.bfloat16, [None, None], ctx.device)
+        check_hidden(op, "x", ctx, x.shape[1], x.element_size())
+        return x, None, ScaleKind.NONE
+    if not isinstance(x, (tuple, list)):
+        raise TypeError(f"{op}: `x` must be a torch.Tensor or a tuple (data, scales), got {type(x).__name__}")
+    if len(x) != 2:
+        raise TypeError(f"{op}: `x` as a tuple must be (data, scales), got {len(x)} elements")
+    data, scales = x
+    check_tensor(op, "x[0]", data, torch.float8_e4m3fn, [None, None], ctx.device)
+    check_hidden(op, "x[0]", ctx, data.shape[1], data.element_size())
+    num_tokens, hidden = data.shape
+    check_tensor(op, "x[1]", scales, (torch.float32, torch.int32), [None, None], ctx.device, contiguous=False)
+    kind = ScaleKind.FP32 if scales.dtype == torch.float32 else ScaleKind.UE8M0
+    num_packs = ceil_div(hidden, 128) if kind == ScaleKind.FP32 else ceil_div(hidden, 512)
+    if list(scales.shape) != [num_tokens, num_packs]:
+        raise ValueError(
+            f"{op}: `x[1]` ({kind.value} scales) must have shape [num_tokens, {'ceil(hidden / 128)' if kind == ScaleKind.FP32 else 'ceil(hidden / 512)'}]"
+            f" = {[num_tokens, num_packs]}, got {_shape(scales)}"
+        )
+    return data, scales, kind
+
+
+def check_topk_idx_values(op: str, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Check `-1 <= topk_idx < num_experts` and no repeated expert in a row (one host sync)."""
+    if topk_idx.numel() == 0:
+        return
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    ordered = topk_idx.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    has_out_of_range, has_repeated = torch.stack([out_of_range.any(), repeated.any()]).tolist()
+    if has_out_of_range:
+        token, lane = (int(v) for v in out_of_range.nonzero()[0].tolist())
+        raise ValueError(
+            f"{op}: `topk_idx` values must be in [-1, {num_experts}) (num_experts = {num_experts}), "
+            f"got {int(topk_idx[token, lane])} at [{token}, {lane}]"
+        )
+    if has_repeated:
+        token = int(repeated.any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"{op}: `topk_idx` rows must not repeat an expert, got row {token} = {topk_idx[token].tolist()}"
+        )
+
+
+def validate_dispatch(
+    ctx: ValidationContext,
+    resolve_num_sms: Callable[[int, int], int],
+    resolve_num_qps: Callable[[int], int],
+    *,
+    x: Any,
+    topk_idx: Any,
+    topk_weights: Any,
+    cumulative_local_expert_recv_stats: Any,
+    num_experts: Any,
+    num_max_tokens_per_rank: Any,
+    expert_alignment: Any,
+    num_sms: Any,
+    num_qps: Any,
+    previous_event: Any,
+    previous_event_before_epilogue: Any,
+    async_with_compute_stream: Any,
+    allocate_on_comm_stream: Any,
+    handle: Any,
+    do_cpu_sync: Any,
+    do_expand: Any,
+    do_zero_padding: Any,
+    use_tma_aligned_col_major_sf: Any,
+) -> DispatchRequest:
+    """Check every argument of `ElasticBuffer.dispatch` and return the normalized request."""
+    op = "dispatch"
+    allocate_on_comm_stream = as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream)
+    as_bool(op, "async_with_compute_stream", async_with_compute_stream)
+    check_stream_args(op, previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
+    do_expand = as_bool(op, "do_expand", do_expand)
+    do_zero_padding = as_bool(op, "do_zero_padding", do_zero_padding)
+    use_tma_aligned_col_major_sf = as_bool(op, "use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
+    if do_zero_padding and not do_expand:
+        raise ValueError(f"{op}: `do_zero_padding`=True needs `do_expand`=True, got do_expand=False")
+    num_sms = as_int(op, "num_sms", num_sms)
+    num_qps = as_int(op, "num_qps", num_qps)
+    data, scales, scale_kind = parse_dispatch_x(op, ctx, x)
+    num_tokens = data.shape[0]
+
+    # Routing: from the handle (cached dispatch) or from `topk_idx`
+    if handle is not None:
+        handle = check_handle(op, ctx, handle)
+        if topk_idx is not None:
+            raise ValueError(
+                f"{op}: `topk_idx` must be None with a cached `handle` (the handle's routing is used), got a tensor"
+            )
+        if do_cpu_sync is not None and as_bool(op, "do_cpu_sync", do_cpu_sync):
+            raise ValueError(f"{op}: `do_cpu_sync` must be None or False with a cached `handle`, got True")
+        do_cpu_sync = False
+        if do_expand != handle.do_expand:
+            raise ValueError(f"{op}: `do_expand` must match the handle's mode ({handle.do_expand}), got {do_expand}")
+        for name, value, expected in (
+            ("num_experts", num_experts, handle.num_experts),
+            ("expert_alignment", expert_alignment, handle.expert_alignment),
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
+        ):
+            if value is not None and value != expected:
+                raise ValueError(f"{op}: `{name}` must match the handle's ({expected}) or be None, got {value!r}")
+        if num_tokens != handle.num_tokens:
+            raise ValueError(f"{op}: `x` must have the handle's {handle.num_tokens} tokens (rows), got {num_tokens}")
+        topk_idx = handle.topk_idx
+        num_experts = handle.num_experts
+        expert_alignment = handle.expert_alignment
+        num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+    else:
+        if topk_idx is None:
+            raise ValueError(f"{op}: `topk_idx` is required without a cached `handle`, got None")
+        check_tensor(op, "topk_idx", topk_idx, torch.int64, [num_tokens, None], ctx.device)
+        if topk_idx.shape[1] < 1:
+            raise ValueError(f"{op}: `topk_idx` must have at least one lane, got shape {_shape(topk_idx)}")
+        if ctx.num_topk > 0 and topk_idx.shape[1] > ctx.num_topk:
+            raise ValueError(
+                f"{op}: `topk_idx` must have <= {ctx.num_topk} lanes (the buffer's `num_topk`), got {topk_idx.shape[1]}"
+            )
+        if num_experts is None:
+            raise ValueError(f"{op}: `num_experts` is required without a cached `handle`, got None")
+        num_experts = as_int(op, "num_experts", num_experts, minimum=1)
+        if num_experts % ctx.num_ranks != 0:
+            raise ValueError(
+                f"{op}: `num_experts` must be a multiple of the number of ranks ({ctx.num_ranks}), got {num_experts}"
+            )
+        expert_alignment = as_int(
+            op, "expert_alignment", 1 if expert_alignment is None else expert_alignment, minimum=1
+        )
+        if num_max_tokens_per_rank is None:
+            num_max_tokens_per_rank = ctx.num_max_tokens_per_rank
+            if num_max_tokens_per_rank == 0:
+                raise ValueError(f"{op}: `num_max_tokens_per_rank` is required (the buffer has no default), got None")
+        num_max_tokens_per_rank = as_int(op, "num_max_tokens_per_rank", num_max_tokens_per_rank, minimum=1)
+        if num_tokens > num_max_tokens_per_rank:
+            raise ValueError(
+                f"{op}: `x` must have at most `num_max_tokens_per_rank` = {num_max_tokens_per_rank} tokens (rows), got {num_tokens}"
+            )
+        do_cpu_sync = True if do_cpu_sync is None else as_bool(op, "do_cpu_sync", do_cpu_sync)
+        if value_checks_enabled():
+            check_topk_idx_values(op, topk_idx, num_experts)
+    num_topk = topk_idx.shape[1]
+
+    if topk_weights is not None:
+        check_tensor(op, "topk_weights", topk_weights, torch.float32, [num_tokens, num_topk], ctx.device)
+    num_local_experts = num_experts // ctx.num_ranks
+    stats = cumulative_local_expert_recv_stats
+    if stats is not None:
+        check_tensor(op, "cumulative_local_expert_recv_stats", stats, torch.int32, [num_local_experts], ctx.device)
+
+    num_sms = num_sms if num_sms > 0 else resolve_num_sms(num_experts, num_topk)
+    num_qps = num_qps if num_qps > 0 else resolve_num_qps(num_sms)
+    if num_qps > ctx.num_allocated_qps:
+        raise ValueError(f"{op}: `num_qps` must be <= {ctx.num_allocated_qps} (the allocated QPs), got {num_qps}")
+    return DispatchRequest(
+        x=data,
+        scales=scales,
+        scale_kind=scale_kind,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        cumulative_local_expert_recv_stats=stats,
+        num_experts=num_experts,
+        num_max_tokens_per_rank=num_max_tokens_per_rank,
+        expert_alignment=expert_alignment,
+        num_sms=num_sms,
+        num_qps=num_qps,
+        do_cpu_sync=do_cpu_sync,
+        do_expand=do_expand,
+        do_zero_padding=do_zero_padding,
+        use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+        deterministic=ctx.deterministic,
+        allow_multiple_reduction=ctx.allow_multiple_reduction,
+        cached_handle=handle,
+    )
+
+
+def parse_bias(op: str, bias: Any) -> tuple[Any, Any]:
+    """Split `bias` (None, a tensor, or a tuple of two tensors) into `(bias_0, bias_1)`."""
+    if bias is None or isinstance(bias, torch.Tensor):
+        return bias, None
+    if isinstance(bias, (tuple, list)):
+        if len(bias) != 2:
+            raise TypeError(f"{op}: `bias` as a tuple must hold 2 tensors, got {len(bias)} elements")
+        return bias[0], bias[1]
+    raise TypeError(f"{op}: `bias` must be None, a torch.Tensor or a tuple of 2 tensors, got {type(bias).__name__}")
+
+
+def validate_combine(
+    ctx: ValidationContext,
+    resolve_num_qps: Callable[[int], int],
+    *,
+    x: Any,
+    handle: Any,
+    topk_weights: Any,
+    bias: Any,
+    num_sms: Any,
+    num_qps: Any,
+    previous_event: Any,
+    previous_event_before_epilogue: Any,
+    async_with_compute_stream: Any,
+    allocate_on_comm_stream: Any,
+) -> CombineRequest:
+    """Check every argument of `ElasticBuffer.combine` and return the normalized request."""
+    op = "combine"
+    allocate_on_comm_stream = as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream)
+    as_bool(op, "async_with_compute_stream", async_with_compute_stream)
+    check_stream_args(op, previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
+    num_sms = as_int(op, "num_sms", num_sms)
+    num_qps = as_int(op, "num_qps", num_qps)
+    handle = check_handle(op, ctx, handle)
+    num_rows = handle.num_combine_rows
+    check_tensor(op, "x", x, torch.bfloat16, [None, None], ctx.device)
+    if x.shape[0] != num_rows:
+        what = "num_expanded_tokens (expand mode)" if handle.do_expand else "num_recv_tokens"
+        raise ValueError(f"{op}: `x` must have the handle's {what} = {num_rows} rows, got {x.shape[0]}")
+    hidden = x.shape[1]
+    check_hidden(op, "x", ctx, hidden, x.element_size())
+    if topk_weights is not None:
+        shape: list[int | None] = [num_rows] if handle.do_expand else [num_rows, handle.num_topk]
+        check_tensor(op, "topk_weights", topk_weights, torch.float32, shape, ctx.device)
+    bias_0, bias_1 = parse_bias(op, bias)
+    for name, b in (("bias[0]" if bias_1 is not None else "bias", bias_0), ("bias[1]", bias_1)):
+        if b is not None:
+            check_tensor(op, name, b, torch.bfloat16, [handle.num_tokens, hidden], ctx.device)
+    if bias_0 is None and bias_1 is not None:
+        raise TypeError(f"{op}: `bias[0]` must be a torch.Tensor when `bias[1]` is given, got None")
+
+    num_sms = num_sms if num_sms > 0 else handle.num_sms
+    num_qps = num_qps if num_qps > 0 else resolve_num_qps(num_sms)
+    if num_qps > ctx.num_allocated_qps:
+        raise ValueError(f"{op}: `num_qps` must be <= {ctx.num_allocated_qps} (the allocated QPs), got {num_qps}")
+    return CombineRequest(
+        x=x,
+        handle=handle,
+        topk_weights=topk_weights,
+        bias_0=bias_0,
+        bias_1=bias_1,
+        num_sms=num_sms,
+        num_qps=num_qps,
+        allow_multiple_reduction=ctx.allow_multiple_reduction,
+    )
