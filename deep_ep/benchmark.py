@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -260,6 +261,9 @@ def _speed_of_light(buffer: Any, config: BenchConfig, align: Callable[[], None])
 
 
 def _git_commit() -> str:
+    # A copy of the tree without .git (e.g. on a lent GPU machine) names its commit in EP_BENCH_COMMIT
+    if os.environ.get("EP_BENCH_COMMIT"):
+        return os.environ["EP_BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parent).stdout.strip()  # fmt: skip

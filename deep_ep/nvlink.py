@@ -37,6 +37,10 @@ from .nccl.device_comm import DeviceCommunicator
 from .nccl.window import SymmetricWindow
 
 
+# How long a host wait busy-polls before it starts sleeping between polls
+_SPIN_S = 0.05
+
+
 def _ptr(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
@@ -107,15 +111,22 @@ class NvlinkRuntime:
             raise EPTimeoutError(self.dead_reason)
 
     def wait(self, stream: torch.cuda.Stream, what: str) -> None:
-        """Wait on the host, with a deadline, for everything queued on `stream`."""
+        """Wait on the host, with a deadline, for everything queued on `stream`.
+
+        Busy-polls first: a sleep costs at least a scheduler tick (milliseconds in a VM), far more
+        than a dispatch; only waits longer than `_SPIN_S` back off to short sleeps.
+        """
         event = torch.cuda.Event()
         event.record(stream)
-        deadline = time.monotonic() + self.cpu_timeout_s
+        started = time.monotonic()
+        deadline = started + self.cpu_timeout_s
         while not event.query():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self.dead_reason = f"host wait for {what} on rank {self.rank} passed {self.cpu_timeout_s:g} s"
                 raise EPTimeoutError(self.dead_reason)
-            time.sleep(20e-6)
+            if now - started > _SPIN_S:
+                time.sleep(1e-4)
         self.check_error()
 
     # ---------------------------------------------------------------- barrier

@@ -9,6 +9,7 @@
 #include <nccl_device.h>
 
 #include "../common/comm.cuh"
+#include "../common/copy.cuh"
 #include "../common/layout.cuh"
 #include "../common/ptx.cuh"
 
@@ -61,7 +62,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
         if constexpr (not kExpand) {
             const int4* src = args.x + static_cast<int64_t>(i) * kRowVectors;
-            for (int v = lane_idx; v < kRowVectors; v += 32) st_na_v4(reinterpret_cast<int4*>(slot) + v, ld_nc_v4(src + v));
+            warp_copy<kRowVectors>(
+                lane_idx, [&](int v) { return ld_nc_v4(src + v); },
+                [&](int v, const int4& value) { st_na_v4(reinterpret_cast<int4*>(slot) + v, value); });
             if (lane_idx < kNumTopk)
                 slot_weights[lane_idx] =
                     args.topk_weights != nullptr ? args.topk_weights[static_cast<int64_t>(i) * kNumTopk + lane_idx] : 0.0f;
@@ -78,25 +81,47 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 int rows[kNumTopk];
 #pragma unroll
                 for (int k = 0; k < kNumTopk; ++k) rows[k] = __shfl_sync(0xffffffff, expanded_row, k);
-                for (int v = lane_idx; v < kRowVectors; v += 32) {
-                    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                constexpr int kUnroll = 4;
+#pragma unroll 1
+                for (int base = 0; base < kRowVectors; base += 32 * kUnroll) {
+                    float acc[kUnroll][8];
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
 #pragma unroll
                     for (int k = 0; k < kNumTopk; ++k) {
                         if (rows[k] < 0) continue;
-                        const int4 packed = ld_nc_v4(args.x + static_cast<int64_t>(rows[k]) * kRowVectors + v);
-                        const auto* bf16 = reinterpret_cast<const __nv_bfloat162*>(&packed);
+                        const int4* row = args.x + static_cast<int64_t>(rows[k]) * kRowVectors;
+                        int4 values[kUnroll];
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const float2 f = __bfloat1622float2(bf16[j]);
-                            acc[2 * j] += f.x;
-                            acc[2 * j + 1] += f.y;
+                        for (int u = 0; u < kUnroll; ++u) {
+                            const int v = base + u * 32 + lane_idx;
+                            if (v < kRowVectors) values[u] = ld_nc_v4(row + v);
+                        }
+#pragma unroll
+                        for (int u = 0; u < kUnroll; ++u) {
+                            if (base + u * 32 + lane_idx >= kRowVectors) continue;
+                            const auto* bf16 = reinterpret_cast<const __nv_bfloat162*>(&values[u]);
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                const float2 f = __bfloat1622float2(bf16[j]);
+                                acc[u][2 * j] += f.x;
+                                acc[u][2 * j + 1] += f.y;
+                            }
                         }
                     }
-                    int4 out;
-                    auto* out_bf16 = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) out_bf16[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-                    st_na_v4(reinterpret_cast<int4*>(slot) + v, out);
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int v = base + u * 32 + lane_idx;
+                        if (v >= kRowVectors) continue;
+                        int4 out;
+                        auto* out_bf16 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+                            out_bf16[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
+                        st_na_v4(reinterpret_cast<int4*>(slot) + v, out);
+                    }
                 }
             } else {
                 // No multiple reduction: the j-th local lane's row goes to sub-row j
@@ -107,7 +132,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                     const int row = __shfl_sync(0xffffffff, expanded_row, k);
                     const int4* src = args.x + static_cast<int64_t>(row) * kRowVectors;
                     int4* dst = reinterpret_cast<int4*>(slot + j * Slot::kRowBytes);
-                    for (int v = lane_idx; v < kRowVectors; v += 32) st_na_v4(dst + v, ld_nc_v4(src + v));
+                    warp_copy<kRowVectors>(
+                        lane_idx, [&](int v) { return ld_nc_v4(src + v); },
+                        [&](int v, const int4& value) { st_na_v4(dst + v, value); });
                 }
             }
         }

@@ -63,19 +63,42 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
             if constexpr (kNumRows == 1) num_rows[d] = min(num_rows[d], 1);
         }
 
-        for (int v = lane_idx; v < kRowVectors; v += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        // A batch of vectors per lane, so every source row has several loads in flight
+        constexpr int kUnroll = 4;
+#pragma unroll 1
+        for (int base = 0; base < kRowVectors; base += 32 * kUnroll) {
+            float acc[kUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+            auto accumulate = [&](const int4* row) {
+                int4 values[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int v = base + u * 32 + lane_idx;
+                    if (v < kRowVectors) values[u] = ld_nc_v4(row + v);
+                }
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (base + u * 32 + lane_idx < kRowVectors) add_bf16x8(acc[u], values[u]);
+            };
 #pragma unroll
             for (int d = 0; d < kNumRanks; ++d)
                 for (int j = 0; j < num_rows[d]; ++j)
-                    add_bf16x8(acc, reinterpret_cast<const int4*>(slots[d] + j * Slot::kRowBytes)[v]);
-            if (args.bias_0 != nullptr) add_bf16x8(acc, args.bias_0[static_cast<int64_t>(t) * kRowVectors + v]);
-            if (args.bias_1 != nullptr) add_bf16x8(acc, args.bias_1[static_cast<int64_t>(t) * kRowVectors + v]);
-            int4 out;
-            auto* out_bf16 = reinterpret_cast<__nv_bfloat162*>(&out);
+                    accumulate(reinterpret_cast<const int4*>(slots[d] + j * Slot::kRowBytes));
+            if (args.bias_0 != nullptr) accumulate(args.bias_0 + static_cast<int64_t>(t) * kRowVectors);
+            if (args.bias_1 != nullptr) accumulate(args.bias_1 + static_cast<int64_t>(t) * kRowVectors);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) out_bf16[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-            args.combined_x[static_cast<int64_t>(t) * kRowVectors + v] = out;
+            for (int u = 0; u < kUnroll; ++u) {
+                const int v = base + u * 32 + lane_idx;
+                if (v >= kRowVectors) continue;
+                int4 out;
+                auto* out_bf16 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) out_bf16[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
+                args.combined_x[static_cast<int64_t>(t) * kRowVectors + v] = out;
+            }
         }
 
         if (args.combined_topk_weights != nullptr and lane_idx < kNumTopk) {

@@ -8,6 +8,7 @@
 #include <nccl_device.h>
 
 #include "../common/comm.cuh"
+#include "../common/copy.cuh"
 #include "../common/layout.cuh"
 #include "../common/ptx.cuh"
 
@@ -54,12 +55,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
 
         const int4* src = x + static_cast<int64_t>(t) * kHiddenVectors;
-        for (int i = lane_idx; i < kHiddenVectors; i += 32) {
-            const int4 v = ld_nc_v4(src + i);
+        // Fewer vectors in flight when many destination pointers share the registers
+        warp_copy<kHiddenVectors, (kNumRanks <= 4 ? kCopyUnroll : kCopyUnroll / 2)>(
+            lane_idx, [&](int i) { return ld_nc_v4(src + i); },
+            [&](int i, const int4& v) {
 #pragma unroll
-            for (int d = 0; d < kNumRanks; ++d)
-                if (dst_records[d] != nullptr) st_na_v4(reinterpret_cast<int4*>(dst_records[d]) + i, v);
-        }
+                for (int d = 0; d < kNumRanks; ++d)
+                    if (dst_records[d] != nullptr) st_na_v4(reinterpret_cast<int4*>(dst_records[d]) + i, v);
+            });
         if constexpr (kNumScaleInts > 0) {
             for (int i = lane_idx; i < kNumScaleInts; i += 32) {
                 const int v = __ldg(x_scales + static_cast<int64_t>(t) * kNumScaleInts + i);

@@ -6,6 +6,7 @@
 // `expert_alignment`), and fill the handle's prefix sums and source metadata.
 // The order is fixed by the slots, so the output is deterministic by construction.
 
+#include "../common/copy.cuh"
 #include "../common/fault.cuh"
 #include "../common/layout.cuh"
 #include "../common/math.cuh"
@@ -77,7 +78,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
         if (out_row >= args.num_out_rows) return;
         const int4* src = reinterpret_cast<const int4*>(record);
         int4* dst = args.recv_x + static_cast<int64_t>(out_row) * kHiddenVectors;
-        for (int i = lane_idx; i < kHiddenVectors; i += 32) dst[i] = src[i];
+        warp_copy<kHiddenVectors>(
+            lane_idx, [&](int i) { return ld_nc_v4(src + i); }, [&](int i, const int4& v) { st_na_v4(dst + i, v); });
         if constexpr (kNumScaleInts > 0) {
             const int* src_scales = reinterpret_cast<const int*>(record + Record::kScaleOffset);
             for (int i = lane_idx; i < kNumScaleInts; i += 32) {
