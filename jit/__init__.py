@@ -30,7 +30,10 @@ from .errors import (
     NCCLVersionMismatchError,
     PtxasCheckError,
 )
-from .host import load_host_library
+from .host import build_host_library, load_host_library
+from .nccl_headers import NcclInstall, find_nccl
+from .nccl_headers import check_versions as check_nccl_versions
+from .nccl_headers import runtime_version as nccl_runtime_version
 from .ninja_build import compile_many
 from .spec import KernelSpec
 
@@ -63,15 +66,20 @@ __all__ = [
     "KernelSpec",
     "NCCLHeadersError",
     "NCCLVersionMismatchError",
+    "NcclInstall",
     "Opaque",
     "Pointer",
     "PtxasCheckError",
+    "build_host_library",
+    "check_nccl_versions",
     "compile_many",
     "compile_spec",
+    "find_nccl",
     "get_kernel",
     "load_host_library",
     "load_kernel",
     "measure_launch_overhead",
+    "nccl_runtime_version",
     "plan_build",
     "resolve_arch",
     "stats",
