@@ -47,7 +47,6 @@ class DispatchEpilogueArgs(ctypes.Structure):
         ("expand_rank_in_expert", ctypes.c_uint64),
         ("is_cached", ctypes.c_int),
         ("do_zero_padding", ctypes.c_int),
-        ("error_block", ctypes.c_uint64),
     ]
 
 
@@ -80,7 +79,6 @@ class CombineEpilogueArgs(ctypes.Structure):
         ("num_tokens", ctypes.c_int),
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("num_experts_per_rank", ctypes.c_int),
-        ("error_block", ctypes.c_uint64),
     ]
 
 
@@ -116,7 +114,7 @@ def dispatch_count_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num
     return _spec(
         "dispatch_count",
         (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_COUNT_THREADS),
-        ("const char*", "int", "int", "int", "int*", "int*", "int*", "int*", "const int64_t*"),
+        ("const char*", "int", "int", "int", "int*", "int*", "int*", "int*"),
         use_nccl=False,
     )
 

@@ -91,6 +91,9 @@ class NvlinkRuntime:
                              f"({self.rank}, {self.num_ranks})")
         self.window = SymmetricWindow(self.comm, num_bytes)
         self.error_block = torch.zeros(len(ERROR_WORDS) + 1, dtype=torch.int64, pin_memory=True)
+        # Received counts per source rank, then per local expert: the count kernel fills the device
+        # copy, a D2H copy brings them to pinned memory (device reads of host memory are slow)
+        self.device_counts = torch.zeros(MAX_RANKS + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cuda")
         self.host_counts = torch.zeros(MAX_RANKS + MAX_LOCAL_EXPERTS, dtype=torch.int32, pin_memory=True)
         self._expand_scratch: torch.Tensor | None = None
         self.dead_reason: str | None = None
@@ -231,9 +234,9 @@ class NvlinkRuntime:
                 grid=(num_local_experts,), block=(kernels.NUM_COUNT_THREADS,), stream=stream,
                 args=(U64(self.window.ptr), I32(num_max_tokens_per_rank), I32(self.rank), I32(num_local_experts),
                       num_recv_per_expert, U64(_ptr(expand_scratch)),
-                      U64(_ptr(self.host_counts) if do_cpu_sync else 0), U64(_ptr(cumulative_stats)),
-                      U64(_ptr(self.error_block))))  # fmt: skip
+                      U64(_ptr(self.device_counts) if do_cpu_sync else 0), U64(_ptr(cumulative_stats))))  # fmt: skip
             if do_cpu_sync:
+                self.host_counts.copy_(self.device_counts, non_blocking=True)
                 self.wait(stream, "dispatch counts")
                 counts = self.host_counts[: self.num_ranks + num_local_experts].tolist()
                 num_recv_tokens = sum(counts[: self.num_ranks])
@@ -282,7 +285,7 @@ class NvlinkRuntime:
             recv_src_metadata=_ptr(recv_src_metadata), psum_num_recv_tokens_per_rank=_ptr(psum_rank),
             num_recv_tokens_per_expert=_ptr(num_recv_per_expert), psum_num_recv_tokens_per_expert=_ptr(psum_expert),
             expand_rank_in_expert=_ptr(expand_scratch), is_cached=int(cached is not None),
-            do_zero_padding=int(do_zero_padding), error_block=_ptr(self.error_block))  # fmt: skip
+            do_zero_padding=int(do_zero_padding))  # fmt: skip
         kernels.load(kernels.dispatch_epilogue_spec(*args_common, do_expand)).launch(
             grid=(self.num_device_sms,), block=(kernels.NUM_THREADS,), stream=stream,
             args=(Opaque(bytes(epilogue_args)),))  # fmt: skip
@@ -370,8 +373,7 @@ class NvlinkRuntime:
                 window_base=self.window.ptr, topk_idx=_ptr(topk_idx), slot_idx=_ptr(state.slot_idx),
                 bias_0=_ptr(bias_0), bias_1=_ptr(bias_1), combined_x=_ptr(combined_x),
                 combined_topk_weights=_ptr(combined_w), num_tokens=num_tokens,
-                num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts,
-                error_block=_ptr(self.error_block))  # fmt: skip
+                num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts)  # fmt: skip
             grid = min(self.num_device_sms, (num_tokens + 15) // 16)
             kernels.load(kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows)).launch(
                 grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),))

@@ -24,6 +24,7 @@ __device__ __forceinline__ int* workspace_semaphore(void* workspace, int channel
 template <int kNumRanks>
 __device__ __forceinline__ bool channel_barrier(void* const* peer_windows, int rank, int channel, int phase,
                                                 int64_t* error_block, uint64_t timeout_ns) {
+    const FaultSink fault = make_fault_sink(peer_windows[rank], error_block);
     bool ok = true;
     __syncthreads();
     if (threadIdx.x < kNumRanks) {
@@ -35,8 +36,8 @@ __device__ __forceinline__ bool channel_barrier(void* const* peer_windows, int r
         const uint64_t deadline = global_timer_ns() + timeout_ns;
         int observed;
         while ((observed = ld_acquire_sys(mine)) < 1) {
-            if (has_error(error_block) || global_timer_ns() > deadline) {
-                report_timeout(error_block, phase, rank, peer, channel, observed, 1);
+            if (fault.has_error() || global_timer_ns() > deadline) {
+                fault.report_timeout(phase, rank, peer, channel, observed, 1);
                 ok = false;
                 break;
             }

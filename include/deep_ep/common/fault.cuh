@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "layout.cuh"
 #include "ptx.cuh"
 
 namespace deep_ep {
@@ -21,26 +22,40 @@ enum Phase : int {
     kPhaseCombineExit = 5,
 };
 
-__device__ __forceinline__ void report_timeout(int64_t* error_block, int phase, int rank, int peer, int channel,
-                                               int observed, int expected) {
-    // The first failure wins; later ones (other CTAs giving up on the same peer) add nothing.
-    auto* status = reinterpret_cast<unsigned long long*>(error_block + kErrStatus);
-    if (atomicCAS(status, 0ull, 2ull) == 0ull) {
-        volatile int64_t* block = error_block;
-        block[kErrPhase] = phase;
-        block[kErrRank] = rank;
-        block[kErrPeer] = peer;
-        block[kErrChannel] = channel;
-        block[kErrObserved] = observed;
-        block[kErrExpected] = expected;
-        __threadfence_system();
-        block[kErrStatus] = 1;
-        __threadfence_system();
+// Where a kernel tells the others of its buffer that a wait failed: the status word of the
+// local workspace, and the host-mapped error block that Python reads.
+struct FaultSink {
+    int64_t* error_block;  // host-mapped, written once
+    int64_t* status;       // local workspace, polled
+
+    __device__ __forceinline__ bool has_error() const {
+        return *reinterpret_cast<const volatile int64_t*>(status) != 0;
     }
+
+    __device__ __forceinline__ void report_timeout(int phase, int rank, int peer, int channel, int observed,
+                                                   int expected) const {
+        // The first failure wins; later ones (other CTAs giving up on the same peer) add nothing.
+        if (atomicCAS(reinterpret_cast<unsigned long long*>(status), 0ull, 1ull) == 0ull) {
+            volatile int64_t* block = error_block;
+            block[kErrPhase] = phase;
+            block[kErrRank] = rank;
+            block[kErrPeer] = peer;
+            block[kErrChannel] = channel;
+            block[kErrObserved] = observed;
+            block[kErrExpected] = expected;
+            __threadfence_system();
+            block[kErrStatus] = 1;
+            __threadfence_system();
+        }
+    }
+};
+
+__device__ __forceinline__ FaultSink make_fault_sink(void* local_window, int64_t* error_block) {
+    return {error_block, reinterpret_cast<int64_t*>(static_cast<char*>(local_window) + kStatusOffset)};
 }
 
-__device__ __forceinline__ bool has_error(const int64_t* error_block) {
-    return *reinterpret_cast<const volatile int64_t*>(error_block + kErrStatus) != 0;
+__device__ __forceinline__ bool has_error(const char* local_window) {
+    return *reinterpret_cast<const volatile int64_t*>(local_window + kStatusOffset) != 0;
 }
 
 }  // namespace deep_ep

@@ -4,7 +4,7 @@
 // deep_ep/layout.py mirrors every constant here; a CPU test checks that the two agree.
 //
 //   window = [workspace | data region]
-//   workspace: per-CTA, per-source-rank counting semaphores, then per-source received counts
+//   workspace: per-CTA, per-source-rank counting semaphores, per-source received counts, status
 //   data region: kNumRanks source blocks of `num_max_tokens_per_rank` slots each; a source owns
 //                its block in every destination, so it places tokens without asking anyone.
 //                Dispatch records and combine slots share the region: they are never live at once.
@@ -19,8 +19,11 @@ constexpr int kMaxRanks = 64;
 constexpr int kMaxChannels = 256;  // CTAs of one communication kernel
 constexpr int64_t kSemaphoreOffset = 0;
 constexpr int64_t kRecvCountOffset = kSemaphoreOffset + int64_t(kMaxChannels) * kMaxRanks * sizeof(int);
+// Non-zero once any wait of this buffer timed out: kernels poll it here, in device memory, because
+// reads of host-mapped memory cost microseconds each (the host-mapped error block is only written).
+constexpr int64_t kStatusOffset = kRecvCountOffset + kMaxRanks * sizeof(int);
 constexpr int64_t kWorkspaceBytes = 128 * 1024;
-static_assert(kRecvCountOffset + kMaxRanks * sizeof(int) <= kWorkspaceBytes, "workspace overflow");
+static_assert(kStatusOffset % 8 == 0 and kStatusOffset + 8 <= kWorkspaceBytes, "workspace overflow");
 
 // One dispatched token: hidden bytes, scale bytes, then metadata (top-k ids as int32, top-k
 // weights as float, source token index), each part padded to 16 bytes for vector copies.

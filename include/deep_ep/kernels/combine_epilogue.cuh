@@ -25,7 +25,6 @@ struct CombineEpilogueArgs {
     int num_tokens;
     int num_max_tokens_per_rank;
     int num_experts_per_rank;
-    const int64_t* error_block;
 };
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) {
@@ -43,7 +42,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
     using Slot = CombineSlot<kHidden, kNumRows, kNumTopk>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
-    if (has_error(args.error_block)) return;
+    if (has_error(args.window_base)) return;
 
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     for (int t = blockIdx.x * kNumWarps + warp_idx; t < args.num_tokens; t += gridDim.x * kNumWarps) {

@@ -3,7 +3,7 @@
 // After dispatch, on the receiving rank: count the received (token, local expert) pairs of every
 // local expert (one CTA per expert, a block scan over received rows in source order), and, for
 // the expanded layout, give each pair its index inside its expert's block. Also hands the
-// per-source and per-expert counts to the host through mapped memory (CPU-sync path) and adds
+// per-source and per-expert counts in one small device array for the host to copy (CPU-sync path), and adds
 // the counts to the user's cumulative statistics.
 
 #include <cub/block/block_scan.cuh>
@@ -16,13 +16,13 @@ namespace deep_ep {
 template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
     dispatch_count_impl(const char* window_base, int num_max_tokens_per_rank, int rank, int num_experts_per_rank,
-                        int* num_recv_tokens_per_expert, int* expand_rank_in_expert, int* host_counts,
-                        int* cumulative_stats, const int64_t* error_block) {
+                        int* num_recv_tokens_per_expert, int* expand_rank_in_expert, int* counts_out,
+                        int* cumulative_stats) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     using Scan = cub::BlockScan<int, kNumThreads>;
     __shared__ typename Scan::TempStorage scan_storage;
     __shared__ int psum_src[kNumRanks + 1];
-    if (has_error(error_block)) return;
+    if (has_error(window_base)) return;
 
     const int* recv_counts = reinterpret_cast<const int*>(window_base + kRecvCountOffset);
     if (threadIdx.x == 0) {
@@ -58,10 +58,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (threadIdx.x == 0) {
         num_recv_tokens_per_expert[blockIdx.x] = num_before;
         if (cumulative_stats != nullptr) cumulative_stats[blockIdx.x] += num_before;
-        if (host_counts != nullptr) reinterpret_cast<volatile int*>(host_counts)[kNumRanks + blockIdx.x] = num_before;
+        if (counts_out != nullptr) counts_out[kNumRanks + blockIdx.x] = num_before;
     }
-    if (blockIdx.x == 0 and threadIdx.x < kNumRanks and host_counts != nullptr)
-        reinterpret_cast<volatile int*>(host_counts)[threadIdx.x] = psum_src[threadIdx.x + 1] - psum_src[threadIdx.x];
+    if (blockIdx.x == 0 and threadIdx.x < kNumRanks and counts_out != nullptr)
+        counts_out[threadIdx.x] = psum_src[threadIdx.x + 1] - psum_src[threadIdx.x];
 }
 
 }  // namespace deep_ep

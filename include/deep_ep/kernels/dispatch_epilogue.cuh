@@ -35,7 +35,6 @@ struct DispatchEpilogueArgs {
     const int* expand_rank_in_expert;  // fresh expanded dispatch: index inside the expert block
     int is_cached;                     // reuse the expanded rows stored in recv_src_metadata
     int do_zero_padding;
-    const int64_t* error_block;
 };
 
 template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kExpand>
@@ -47,7 +46,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
     constexpr int kMetaCols = 2 + kNumTopk;
     __shared__ int psum_src[kNumRanks + 1];
     __shared__ int expert_offset[kMaxLocalExperts + 1];
-    if (has_error(args.error_block)) return;
+    if (has_error(args.window_base)) return;
 
     const int num_local_experts = args.num_experts_per_rank;
     const int* recv_counts = reinterpret_cast<const int*>(args.window_base + kRecvCountOffset);
