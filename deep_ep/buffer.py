@@ -118,6 +118,9 @@ class ElasticBuffer:
         num_gpu_timeout_secs: int = 100,
         explicitly_destroy: bool = False,
         backend: str = "auto",
+        *,
+        num_cpu_bytes: int = 0,
+        sl_idx: int = 3,
     ) -> None:
         """Create the buffer on every rank of `group` (collective).
 
@@ -137,6 +140,8 @@ class ElasticBuffer:
             num_gpu_timeout_secs: the deadline of device-side waits.
             explicitly_destroy: require an explicit `destroy()` (otherwise the destructor releases).
             backend: `'auto'`, `'kernels'` or `'reference'` (see `select_backend_class`).
+            num_cpu_bytes: V2's Engram CPU buffer; must be 0 (not supported).
+            sl_idx: V2's RDMA service level (accepted, unused: there is no RDMA path yet).
         """
         op = "ElasticBuffer"
         if not isinstance(group, dist.ProcessGroup):
@@ -145,6 +150,9 @@ class ElasticBuffer:
         hidden = as_int(op, "hidden", hidden)
         num_topk = as_int(op, "num_topk", num_topk)
         num_allocated_qps = as_int(op, "num_allocated_qps", num_allocated_qps)
+        as_int(op, "sl_idx", sl_idx)
+        if as_int(op, "num_cpu_bytes", num_cpu_bytes) != 0:
+            raise ValueError(f"{op}: `num_cpu_bytes` must be 0 (CPU buffers are not supported), got {num_cpu_bytes}")
         flags = {
             name: as_bool(op, name, value)
             for name, value in (

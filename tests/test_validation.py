@@ -226,6 +226,9 @@ def test_constructor_arguments(group: dist.ProcessGroup) -> None:
         num_cpu_timeout_secs=0,
         backend="reference",
     )
+    raises(
+        ValueError, "num_cpu_bytes", deep_ep.ElasticBuffer, group, 2 << 20, num_cpu_bytes=2 << 20, backend="reference"
+    )
     raises(TypeError, "deterministic", deep_ep.ElasticBuffer, group, 2 << 20, deterministic="no", backend="reference")
     # A CPU group never gets the kernel backend
     raises(ValueError, "backend", deep_ep.ElasticBuffer, group, 2 << 20, backend="kernels")
