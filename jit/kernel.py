@@ -80,10 +80,7 @@ class Kernel:
             self._function = driver.check(
                 cuda.cuKernelGetFunction(cuda.CUkernel(int(self._core_kernel.handle))), "cuKernelGetFunction", self.name
             )
-        try:
-            self.param_sizes: list[int] | None = [int(p.size) for p in self._core_kernel.arguments_info]
-        except Exception:  # driver < 12.4 has no parameter info: sizes are then not checked
-            self.param_sizes = None
+            self.param_sizes: list[int] | None = self._read_param_sizes()
         self._dynamic_smem_limit = _DEFAULT_DYNAMIC_SMEM
         self._configs: dict[tuple[Any, ...], Any] = {}
         self._plans: dict[tuple[type, ...], ArgumentPlan] = {}
@@ -93,19 +90,39 @@ class Kernel:
     def __repr__(self) -> str:
         return f"Kernel({self.name}, device={self.device})"
 
+    def _read_param_sizes(self) -> list[int] | None:
+        """Byte size of each kernel parameter, asked of the driver (needs a current context).
+
+        cuFuncGetParamInfo answers CUDA_ERROR_INVALID_VALUE past the last parameter; a driver
+        older than 12.4 has no such call, and sizes are then not checked.
+        """
+        get_info = getattr(cuda, "cuFuncGetParamInfo", None)
+        if get_info is None:
+            return None
+        sizes: list[int] = []
+        while True:
+            result = get_info(self._function, len(sizes))
+            if result[0] == cuda.CUresult.CUDA_ERROR_INVALID_VALUE:
+                return sizes
+            if result[0]:
+                return None
+            sizes.append(int(result[2]))
+
     def occupancy(self, block_size: int, shared_mem: int = 0) -> int:
         """Maximum resident blocks per SM for this block size and dynamic shared memory."""
-        return int(
-            driver.check(
-                cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._function, block_size, shared_mem),
-                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-                self.name,
+        with driver.current_context(self.device):
+            return int(
+                driver.check(
+                    cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._function, block_size, shared_mem),
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                    self.name,
+                )
             )
-        )
 
     def attribute(self, attribute: cuda.CUfunction_attribute) -> int:
         """Read a function attribute (e.g. `CU_FUNC_ATTRIBUTE_NUM_REGS`) of the loaded kernel."""
-        return int(driver.check(cuda.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute", self.name))
+        with driver.current_context(self.device):
+            return int(driver.check(cuda.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute", self.name))
 
     def default_stream(self) -> int:
         """The handle of torch's current stream on this device (the legacy stream 0 without torch)."""
