@@ -159,6 +159,69 @@ def _check(out_ours, out_ref, combined_ours, combined_ref) -> None:
         raise AssertionError("combine differs from deep_ep.reference")
 
 
+def _bench_case(case: BenchCase, ours: Any, reference: Any, rank: int, num_ranks: int, config: BenchConfig,
+                align: Callable[[], None]) -> dict:  # fmt: skip
+    """Check one case against the reference, then time ours and the torch path on this rank."""
+    group = dist.group.WORLD
+    device = config.device
+    backend_name = type(ours.backend).__name__
+    num_sms = case.num_sms or ours.get_theoretical_num_sms(case.num_experts, case.num_topk)
+    rotations = [_inputs(case, rank, num_ranks, device, config.seed + r) for r in range(config.num_rotations)]
+
+    # Correctness first: our path against the reference, on the first rotation
+    x, topk_idx, weights = rotations[0]
+    kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=case.num_experts, num_sms=num_sms)
+    out_ours = ours.dispatch(x, **kwargs)
+    out_ref = reference.dispatch(x, **kwargs)
+    y = torch.randn((out_ours[3].num_recv_tokens, case.hidden), device=device).to(torch.bfloat16)
+    combined_ours = ours.combine(y, out_ours[3])[0]
+    combined_ref = reference.combine(y, out_ref[3])[0]
+    _check(out_ours, out_ref, combined_ours, combined_ref)
+
+    # Traffic of this rank
+    owner = torch.where(topk_idx >= 0, topk_idx // (case.num_experts // num_ranks), -1)
+    hits = torch.stack([(owner == d).any(dim=1) for d in range(num_ranks)]).sum(dim=1).tolist()
+    num_records, num_wire_records = sum(hits), sum(hits) - hits[rank]
+    dispatch_bytes = _payload_bytes(x, case.num_topk)
+    combine_bytes = case.hidden * 2
+
+    # Ours: dispatch (CPU sync, exact shapes), then combine of its handle
+    handles = {}
+
+    def run_dispatch(inputs):
+        handles["last"] = ours.dispatch(inputs[0], topk_idx=inputs[1], topk_weights=inputs[2],
+                                        num_experts=case.num_experts, num_sms=num_sms)[3]  # fmt: skip
+
+    t_dispatch = _time_op(run_dispatch, rotations, config, align)
+    combine_inputs = []
+    for inputs in rotations:
+        handle = ours.dispatch(inputs[0], topk_idx=inputs[1], num_experts=case.num_experts, num_sms=num_sms)[3]
+        combine_inputs.append(
+            (torch.randn((handle.num_recv_tokens, case.hidden), device=device).to(torch.bfloat16), handle)
+        )
+    t_combine = _time_op(lambda a: ours.combine(a[0], a[1], num_sms=num_sms), combine_inputs, config, align)
+
+    # The torch all-to-all path a user would write
+    t_torch_dispatch = _time_op(lambda a: _torch_dispatch(a[0], a[1], case.num_experts, group), rotations,
+                                config, align)  # fmt: skip
+    torch_state = [_torch_dispatch(a[0], a[1], case.num_experts, group) for a in rotations]
+    torch_inputs = [(torch.randn((sum(s[3]), case.hidden), device=device).to(torch.bfloat16), s) for s in torch_state]
+    t_torch_combine = _time_op(
+        lambda a: _torch_combine(a[0], a[1][1], a[1][2], a[1][3], case.num_tokens, group), torch_inputs, config,
+        align)  # fmt: skip
+
+    return dict(
+        case=asdict(case), num_sms=num_sms, backend=backend_name, rank=rank,
+        dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
+        torch_dispatch_us=t_torch_dispatch * 1e6, torch_combine_us=t_torch_combine * 1e6,
+        dispatch_logical_gbs=num_records * dispatch_bytes / t_dispatch / 1e9,
+        dispatch_wire_gbs=num_wire_records * dispatch_bytes / t_dispatch / 1e9,
+        combine_logical_gbs=num_records * combine_bytes / t_combine / 1e9,
+        combine_wire_gbs=num_wire_records * combine_bytes / t_combine / 1e9,
+        num_records=num_records, num_wire_records=num_wire_records,
+    )  # fmt: skip
+
+
 def _bench_rank(rank: int, num_ranks: int, config: BenchConfig) -> list[dict]:
     import deep_ep
 
@@ -180,61 +243,7 @@ def _bench_rank(rank: int, num_ranks: int, config: BenchConfig) -> list[dict]:
         else:
             dist.barrier(group=group)
 
-    results = []
-    for case in config.cases:
-        num_sms = case.num_sms or ours.get_theoretical_num_sms(case.num_experts, case.num_topk)
-        rotations = [_inputs(case, rank, num_ranks, device, config.seed + r) for r in range(config.num_rotations)]
-
-        # Correctness first: our path against the reference, on the first rotation
-        x, topk_idx, weights = rotations[0]
-        kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=case.num_experts, num_sms=num_sms)
-        out_ours = ours.dispatch(x, **kwargs)
-        out_ref = reference.dispatch(x, **kwargs)
-        y = torch.randn((out_ours[3].num_recv_tokens, case.hidden), device=device).to(torch.bfloat16)
-        combined_ours = ours.combine(y, out_ours[3])[0]
-        combined_ref = reference.combine(y, out_ref[3])[0]
-        _check(out_ours, out_ref, combined_ours, combined_ref)
-
-        # Traffic of this rank
-        owner = torch.where(topk_idx >= 0, topk_idx // (case.num_experts // num_ranks), -1)
-        hits = torch.stack([(owner == d).any(dim=1) for d in range(num_ranks)]).sum(dim=1).tolist()
-        num_records, num_wire_records = sum(hits), sum(hits) - hits[rank]
-        dispatch_bytes = _payload_bytes(x, case.num_topk)
-        combine_bytes = case.hidden * 2
-
-        # Ours: dispatch (CPU sync, exact shapes), then combine of its handle
-        handles = {}
-
-        def run_dispatch(inputs):
-            handles["last"] = ours.dispatch(inputs[0], topk_idx=inputs[1], topk_weights=inputs[2],
-                                            num_experts=case.num_experts, num_sms=num_sms)[3]  # fmt: skip
-
-        t_dispatch = _time_op(run_dispatch, rotations, config, align)
-        combine_inputs = []
-        for inputs in rotations:
-            handle = ours.dispatch(inputs[0], topk_idx=inputs[1], num_experts=case.num_experts, num_sms=num_sms)[3]
-            combine_inputs.append((torch.randn((handle.num_recv_tokens, case.hidden), device=device).to(torch.bfloat16), handle))
-        t_combine = _time_op(lambda a: ours.combine(a[0], a[1], num_sms=num_sms), combine_inputs, config, align)
-
-        # The torch all-to-all path a user would write
-        t_torch_dispatch = _time_op(lambda a: _torch_dispatch(a[0], a[1], case.num_experts, group), rotations,
-                                    config, align)  # fmt: skip
-        torch_state = [_torch_dispatch(a[0], a[1], case.num_experts, group) for a in rotations]
-        torch_inputs = [(torch.randn((sum(s[3]), case.hidden), device=device).to(torch.bfloat16), s) for s in torch_state]
-        t_torch_combine = _time_op(
-            lambda a: _torch_combine(a[0], a[1][1], a[1][2], a[1][3], case.num_tokens, group), torch_inputs, config,
-            align)  # fmt: skip
-
-        results.append(dict(
-            case=asdict(case), num_sms=num_sms, backend=backend_name, rank=rank,
-            dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
-            torch_dispatch_us=t_torch_dispatch * 1e6, torch_combine_us=t_torch_combine * 1e6,
-            dispatch_logical_gbs=num_records * dispatch_bytes / t_dispatch / 1e9,
-            dispatch_wire_gbs=num_wire_records * dispatch_bytes / t_dispatch / 1e9,
-            combine_logical_gbs=num_records * combine_bytes / t_combine / 1e9,
-            combine_wire_gbs=num_wire_records * combine_bytes / t_combine / 1e9,
-            num_records=num_records, num_wire_records=num_wire_records,
-        ))  # fmt: skip
+    results = [_bench_case(case, ours, reference, rank, num_ranks, config, align) for case in config.cases]
 
     sol = None
     if device == "cuda" and config.speed_of_light and backend_name == "NvlinkBackend":
@@ -305,7 +314,7 @@ def format_table(rows: list[dict]) -> str:
         c = r["case"]
         sol = r.get("speed_of_light_gbs")
         sol_text = f"{sol:8.1f}" if sol else f"{'n/a':>8}"
-        pct = (f"{100 * r['dispatch_wire_vs_sol']:4.0f}/{100 * r['combine_wire_vs_sol']:<4.0f}" if sol else f"{'n/a':>9}")
+        pct = f"{100 * r['dispatch_wire_vs_sol']:4.0f}/{100 * r['combine_wire_vs_sol']:<4.0f}" if sol else f"{'n/a':>9}"
         lines.append(
             f"{c['num_tokens']:>6} {c['hidden']:>5} {'yes' if c['fp8_dispatch'] else 'no':>4} {r['num_sms']:>4} | "
             f"{r['dispatch_us']:>11.1f} {r['dispatch_logical_gbs']:>8.1f} {r['dispatch_wire_gbs']:>9.1f} | "

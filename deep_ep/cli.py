@@ -1,4 +1,4 @@
-"""The `deep-ep` command: `info` and `jit {list,clear,warmup}` (more subcommands register below).
+"""The `deep-ep` command: `info`, `jit {list,clear,warmup}` and `bench` (more subcommands register below).
 
 Every subcommand registers itself through one function taking the argparse subparsers; add new
 ones (`bench`, `plan`) to `register_commands`. `info` must work on any machine, GPU or not, and
@@ -300,14 +300,53 @@ def register_jit(subparsers: Any) -> None:
     warmup.set_defaults(handler=cmd_jit_warmup)
 
 
-def register_commands(subparsers: Any) -> None:
-    """Register every subcommand. Each one is a `register_<name>(subparsers)` function.
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
-    NOTES: `bench` and `plan` are added here by their owners, e.g.
-    `from deep_ep.bench_cli import register_bench; register_bench(subparsers)`.
-    """
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the dispatch/combine benchmark on whatever is present (see `deep_ep.benchmark`)."""
+    from deep_ep import benchmark
+
+    config = benchmark.default_config(sms=args.sms, tokens=args.tokens)
+    if args.iters is not None:
+        config.num_iters = args.iters
+    benchmark.run(config, json_path=args.json, plot_path=args.plot, command=" ".join(["deep-ep", *sys.argv[1:]]))
+    return 0
+
+
+def register_bench(subparsers: Any) -> None:
+    """`deep-ep bench`."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="time dispatch/combine against torch all_to_all_single and the NVLink speed of light",
+        description="GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
+        "no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are checked against "
+        "deep_ep.reference before they are timed.",
+    )
+    parser.add_argument(
+        "--sms", type=_int_list, default=None, help="SM counts to sweep, e.g. 8,16,24 (default: planner)"
+    )
+    parser.add_argument("--tokens", type=_int_list, default=None, help="tokens per rank, e.g. 8192,4096,128")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations per measurement")
+    parser.add_argument(
+        "--json", default=None, metavar="FILE", help="write the results (with commit, command, hardware, date)"
+    )
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="plot bandwidth vs tokens and vs SMs")
+    parser.set_defaults(handler=cmd_bench)
+
+
+def register_commands(subparsers: Any) -> None:
+    """Register every subcommand. Each one is a `register_<name>(subparsers)` function."""
     register_info(subparsers)
     register_jit(subparsers)
+    register_bench(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:

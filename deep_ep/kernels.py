@@ -150,9 +150,7 @@ def barrier_spec(num_ranks: int) -> KernelSpec:
 
 
 def peer_store_spec() -> KernelSpec:
-    return _spec(
-        "peer_store", (NUM_THREADS,), ("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t")
-    )
+    return _spec("peer_store", (NUM_THREADS,), ("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t"))
 
 
 @functools.cache

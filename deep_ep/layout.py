@@ -19,8 +19,13 @@ BUFFER_ALIGNMENT = 2 * 1024 * 1024
 
 # Error block words (int64) and the phases a device wait can time out in
 ERROR_WORDS = ("status", "phase", "rank", "peer", "channel", "observed", "expected")
-PHASES = {1: "barrier", 2: "dispatch entry barrier", 3: "dispatch exit barrier", 4: "combine entry barrier",
-          5: "combine exit barrier"}
+PHASES = {
+    1: "barrier",
+    2: "dispatch entry barrier",
+    3: "dispatch exit barrier",
+    4: "combine entry barrier",
+    5: "combine exit barrier",
+}
 
 
 def align(value: int, alignment: int) -> int:

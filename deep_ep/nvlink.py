@@ -36,7 +36,6 @@ from .nccl.communicator import Communicator
 from .nccl.device_comm import DeviceCommunicator
 from .nccl.window import SymmetricWindow
 
-
 # How long a host wait busy-polls before it starts sleeping between polls
 _SPIN_S = 0.05
 
@@ -87,8 +86,9 @@ class NvlinkRuntime:
             lsa = (self.dev_comm.lsa_rank, self.dev_comm.lsa_size)
             self.dev_comm.destroy()
             self.comm.destroy()
-            raise ValueError(f"the group is not one NVLink domain: LSA (rank, size) = {lsa}, group = "
-                             f"({self.rank}, {self.num_ranks})")
+            raise ValueError(
+                f"the group is not one NVLink domain: LSA (rank, size) = {lsa}, group = ({self.rank}, {self.num_ranks})"
+            )
         self.window = SymmetricWindow(self.comm, num_bytes)
         self.error_block = torch.zeros(len(ERROR_WORDS) + 1, dtype=torch.int64, pin_memory=True)
         # Received counts per source rank, then per local expert: the count kernel fills the device
@@ -246,8 +246,9 @@ class NvlinkRuntime:
                 num_meta_rows = num_recv_tokens
             else:
                 num_meta_rows = num_recv_tokens = max_recv
-                num_expanded_rows = self.worst_case_rows(num_max_tokens_per_rank, num_topk, num_local_experts,
-                                                         expert_alignment, True)
+                num_expanded_rows = self.worst_case_rows(
+                    num_max_tokens_per_rank, num_topk, num_local_experts, expert_alignment, True
+                )
             num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
             state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_meta_rows, num_expanded_rows)
             recv_src_metadata = torch.empty((num_meta_rows, 2 + num_topk), dtype=torch.int32, device=device)
@@ -265,8 +266,9 @@ class NvlinkRuntime:
         if x_scales is not None:
             if use_tma_aligned_col_major_sf:
                 scale_col_stride = align(num_out_rows, 4)
-                recv_scales = torch.empty((num_scales, scale_col_stride), dtype=x_scales.dtype,
-                                          device=device)[:, :num_out_rows].t()
+                recv_scales = torch.empty((num_scales, scale_col_stride), dtype=x_scales.dtype, device=device)[
+                    :, :num_out_rows
+                ].t()
             else:
                 recv_scales = torch.empty((num_out_rows, num_scales), dtype=x_scales.dtype, device=device)
         recv_topk_idx = None if do_expand else torch.empty((num_out_rows, num_topk), dtype=torch.int64, device=device)
@@ -313,8 +315,9 @@ class NvlinkRuntime:
         max_recv = self.num_ranks * num_max_tokens_per_rank
         if not do_expand:
             return max_recv
-        return align(max_recv * min(num_topk, num_local_experts) + num_local_experts * (expert_alignment - 1),
-                     expert_alignment)
+        return align(
+            max_recv * min(num_topk, num_local_experts) + num_local_experts * (expert_alignment - 1), expert_alignment
+        )
 
     # ---------------------------------------------------------------- combine
 
@@ -376,7 +379,8 @@ class NvlinkRuntime:
                 num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts)  # fmt: skip
             grid = min(self.num_device_sms, (num_tokens + 15) // 16)
             kernels.load(kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows)).launch(
-                grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),))
+                grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),)
+            )
         return combined_x, combined_w
 
     # ---------------------------------------------------------------- teardown

@@ -28,7 +28,9 @@ def is_supported(group: dist.ProcessGroup) -> bool:
     num_devices = torch.cuda.device_count()
     if group.size() > min(num_devices, MAX_RANKS):
         return False
-    return all(a == b or torch.cuda.can_device_access_peer(a, b) for a in range(num_devices) for b in range(num_devices))
+    return all(
+        a == b or torch.cuda.can_device_access_peer(a, b) for a in range(num_devices) for b in range(num_devices)
+    )
 
 
 class NvlinkBackend(EPBackend):

@@ -122,7 +122,9 @@ class Kernel:
     def attribute(self, attribute: cuda.CUfunction_attribute) -> int:
         """Read a function attribute (e.g. `CU_FUNC_ATTRIBUTE_NUM_REGS`) of the loaded kernel."""
         with driver.current_context(self.device):
-            return int(driver.check(cuda.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute", self.name))
+            return int(
+                driver.check(cuda.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute", self.name)
+            )
 
     def default_stream(self) -> int:
         """The handle of torch's current stream on this device (the legacy stream 0 without torch)."""

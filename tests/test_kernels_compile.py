@@ -6,9 +6,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from deep_ep.jit import KernelSpec, compile_spec
 
 from deep_ep import kernels
-from deep_ep.jit import KernelSpec, compile_spec
 
 
 @pytest.fixture(autouse=True)

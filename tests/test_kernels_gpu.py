@@ -45,6 +45,14 @@ def _make_inputs(rank, num_ranks, num_tokens, hidden, fp8, masked, imbalanced, n
     return x, topk_idx, weights, bias
 
 
+def _buffer(backend, num_max_tokens_per_rank, hidden, **kwargs):
+    import deep_ep
+
+    return deep_ep.ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=num_max_tokens_per_rank,
+                                 hidden=hidden, num_topk=NUM_TOPK, backend=backend, explicitly_destroy=True,
+                                 **kwargs)  # fmt: skip
+
+
 def _bytes(t):
     return None if t is None else t.contiguous().view(torch.uint8) if t.dtype.itemsize == 1 else t
 
@@ -82,12 +90,19 @@ def _check_dispatch(out_k, out_r, do_expand, zero_padding):
     assert (h_k.num_recv_tokens, h_k.num_expanded_tokens) == (h_r.num_recv_tokens, h_r.num_expanded_tokens)
     rows, num_recv, num_rows = _real_rows(h_k)
     _equal(h_k.recv_src_metadata[:num_recv], h_r.recv_src_metadata[:num_recv], "recv_src_metadata")
-    data_k, data_r = (recv_k if isinstance(recv_k, tuple) else (recv_k,)), (
-        recv_r if isinstance(recv_r, tuple) else (recv_r,))
-    pick = (lambda t: t[:num_rows]) if (do_expand and zero_padding) else (
-        (lambda t: t[rows]) if do_expand else (lambda t: t[:num_recv]))
+    data_k, data_r = (
+        (recv_k if isinstance(recv_k, tuple) else (recv_k,)),
+        (recv_r if isinstance(recv_r, tuple) else (recv_r,)),
+    )
+    pick = (
+        (lambda t: t[:num_rows])
+        if (do_expand and zero_padding)
+        else ((lambda t: t[rows]) if do_expand else (lambda t: t[:num_recv]))
+    )
     for i, (a, b) in enumerate(zip(data_k, data_r, strict=True)):
-        assert a.shape == b.shape and a.stride() == b.stride(), f"recv_x[{i}] layout {a.shape}/{a.stride()} vs {b.shape}/{b.stride()}"
+        assert a.shape == b.shape and a.stride() == b.stride(), (
+            f"recv_x[{i}] layout {a.shape}/{a.stride()} vs {b.shape}/{b.stride()}"
+        )
         _equal(pick(a), pick(b), f"recv_x[{i}]")
     if not do_expand:
         _equal(idx_k[:num_recv], idx_r[:num_recv], "recv_topk_idx")
@@ -127,8 +142,17 @@ def _sweep_rank(rank, num_ranks, seed, cases):
             }  # fmt: skip
             assert type(buffers["kernels"].backend).__name__ == "NvlinkBackend"
         num_tokens = 0 if (case["zero_rank"] and rank == 1) else case["num_tokens"]
-        x, topk_idx, weights, bias = _make_inputs(rank, num_ranks, num_tokens, case["hidden"], case["fp8"],
-                                                  case["masked"], case["imbalanced"], case["num_bias"], seed + i)
+        x, topk_idx, weights, bias = _make_inputs(
+            rank,
+            num_ranks,
+            num_tokens,
+            case["hidden"],
+            case["fp8"],
+            case["masked"],
+            case["imbalanced"],
+            case["num_bias"],
+            seed + i,
+        )
         kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=NUM_EXPERTS,
                       expert_alignment=case["alignment"], do_cpu_sync=case["cpu_sync"], do_expand=case["expand"],
                       use_tma_aligned_col_major_sf=case["col_major"], num_sms=case["num_sms"])  # fmt: skip
@@ -136,8 +160,17 @@ def _sweep_rank(rank, num_ranks, seed, cases):
         try:
             h_k = _check_dispatch(outs["kernels"], outs["reference"], case["expand"], False)[0]
             if case["cached"]:
-                x2 = _make_inputs(rank, num_ranks, num_tokens, case["hidden"], case["fp8"], case["masked"],
-                                  case["imbalanced"], 0, seed + 1000 + i)[0]
+                x2 = _make_inputs(
+                    rank,
+                    num_ranks,
+                    num_tokens,
+                    case["hidden"],
+                    case["fp8"],
+                    case["masked"],
+                    case["imbalanced"],
+                    0,
+                    seed + 1000 + i,
+                )[0]
                 cached = {b: buffers[b].dispatch(x2, handle=o[3], topk_weights=weights, do_expand=case["expand"],
                                                  do_zero_padding=case["expand"], num_sms=case["num_sms"],
                                                  use_tma_aligned_col_major_sf=case["col_major"])
@@ -196,13 +229,9 @@ def _roundtrip(buffers, rank, num_ranks, num_tokens, seed, gen, expand=False):
 
 
 def _endurance_rank(rank, num_ranks, seed):
-    import deep_ep
 
-    group = torch.distributed.group.WORLD
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)
-    make = lambda backend: deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=512, hidden=2048, num_topk=NUM_TOPK,
-                                                 backend=backend, explicitly_destroy=True)  # noqa: E731
-    buffers = {"kernels": make("kernels"), "reference": make("reference")}
+    buffers = {b: _buffer(b, 512, 2048) for b in ("kernels", "reference")}
     rng = random.Random(seed)
     memory = []
     for i in range(200):
@@ -213,9 +242,9 @@ def _endurance_rank(rank, num_ranks, seed):
     for buf in buffers.values():
         buf.destroy()
     # Destroy and recreate a kernel buffer 20 times in one process
-    reference = make("reference")
+    reference = _buffer("reference", 512, 2048)
     for i in range(20):
-        buf = make("kernels")
+        buf = _buffer("kernels", 512, 2048)
         _roundtrip({"kernels": buf, "reference": reference}, rank, num_ranks, 64, seed + 500 + i, gen)
         buf.destroy()
     reference.destroy()
@@ -238,9 +267,10 @@ def _fault_rank(rank, num_ranks, timeout_s):
     import deep_ep
 
     group = torch.distributed.group.WORLD
-    make = lambda: deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2048, num_topk=NUM_TOPK,
-                                         backend="kernels", explicitly_destroy=True,
-                                         num_gpu_timeout_secs=timeout_s, num_cpu_timeout_secs=60)  # noqa: E731
+
+    def make():
+        return _buffer("kernels", 128, 2048, num_gpu_timeout_secs=timeout_s, num_cpu_timeout_secs=60)
+
     buf = make()
     x, topk_idx, weights, _ = _make_inputs(rank, num_ranks, 64, 2048, "none", 0.0, False, 0, 1)
     outcome = "ok"
@@ -279,13 +309,9 @@ def test_kernels_peer_skipping_dispatch_raises_timeout_then_recovers():
 
 
 def _graph_rank(rank, num_ranks, seed):
-    import deep_ep
 
-    group = torch.distributed.group.WORLD
     hidden, num_tokens = 2048, 96
-    make = lambda backend: deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=hidden, num_topk=NUM_TOPK,
-                                                 backend=backend, explicitly_destroy=True)  # noqa: E731
-    kernels_buf, reference_buf = make("kernels"), make("reference")
+    kernels_buf, reference_buf = _buffer("kernels", 128, hidden), _buffer("reference", 128, hidden)
     x, topk_idx, weights, bias = _make_inputs(rank, num_ranks, num_tokens, hidden, "none", 0.1, False, 1, seed)
     results = []
     for do_expand in (False, True):

@@ -57,8 +57,9 @@ class Communicator:
         if self.rank == 0:
             self.lib.call("ncclGetUniqueId", ctypes.byref(unique_id))
         # ctypes.string_at, not a c_char field: the id holds zero bytes
-        raw = torch.frombuffer(bytearray(ctypes.string_at(ctypes.addressof(unique_id), NCCL_UNIQUE_ID_BYTES)),
-                               dtype=torch.uint8).cuda()
+        raw = torch.frombuffer(
+            bytearray(ctypes.string_at(ctypes.addressof(unique_id), NCCL_UNIQUE_ID_BYTES)), dtype=torch.uint8
+        ).cuda()
         dist.broadcast(raw, src=dist.get_global_rank(self.group, 0), group=self.group)
         ctypes.memmove(ctypes.addressof(unique_id), bytes(raw.cpu().tolist()), NCCL_UNIQUE_ID_BYTES)
         comm = ctypes.c_void_p()
