@@ -82,6 +82,8 @@ class CombineEpilogueArgs(ctypes.Structure):
     ]
 
 
+# Spec builders are memoized: building a KernelSpec resolves include paths on disk (~0.1 ms),
+# which would otherwise be paid by every kernel of every dispatch and combine.
 def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = True) -> KernelSpec:
     return KernelSpec(
         header=f"deep_ep/kernels/{kernel}.cuh",
@@ -97,6 +99,7 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
+@functools.cache
 def dispatch_layout_spec(num_ranks: int, num_topk: int) -> KernelSpec:
     return _spec(
         "dispatch_layout",
@@ -106,10 +109,12 @@ def dispatch_layout_spec(num_ranks: int, num_topk: int) -> KernelSpec:
     )
 
 
+@functools.cache
 def dispatch_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int) -> KernelSpec:
     return _spec("dispatch", (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS), _DISPATCH_PARAMS)
 
 
+@functools.cache
 def dispatch_count_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int) -> KernelSpec:
     return _spec(
         "dispatch_count",
@@ -119,6 +124,7 @@ def dispatch_count_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num
     )
 
 
+@functools.cache
 def dispatch_epilogue_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, expand: bool):
     return _spec(
         "dispatch_epilogue",
@@ -128,6 +134,7 @@ def dispatch_epilogue_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, 
     )
 
 
+@functools.cache
 def combine_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int, expand: bool) -> KernelSpec:
     return _spec(
         "combine",
@@ -136,6 +143,7 @@ def combine_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int, expa
     )
 
 
+@functools.cache
 def combine_epilogue_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int) -> KernelSpec:
     return _spec(
         "combine_epilogue",
@@ -145,10 +153,12 @@ def combine_epilogue_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: 
     )
 
 
+@functools.cache
 def barrier_spec(num_ranks: int) -> KernelSpec:
     return _spec("barrier", (num_ranks,), ("ncclDevComm", "ncclWindow_t", "int", "int64_t*", "uint64_t"))
 
 
+@functools.cache
 def peer_store_spec() -> KernelSpec:
     return _spec("peer_store", (NUM_THREADS,), ("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t"))
 
