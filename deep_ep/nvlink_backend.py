@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -45,6 +47,8 @@ class NvlinkBackend(EPBackend):
             config.num_bytes,
             num_gpu_timeout_secs=config.num_gpu_timeout_secs,
             num_cpu_timeout_secs=config.num_cpu_timeout_secs,
+            # EP_NCCL_OWN_COMM=1: our own NCCL communicator instead of borrowing torch's
+            force_own_comm=os.environ.get("EP_NCCL_OWN_COMM", "0") == "1",
         )
 
     @classmethod

@@ -367,3 +367,68 @@ def test_kernels_cuda_graph_capture_and_replay():
     seed = time.time_ns() % 100000
     replays = spawn_ranks(_graph_rank, 2, backend="nccl", args=(seed,), timeout_s=300)
     print(f"\ngraph: {replays[0]} replays checked against the reference, seed {seed}")
+
+
+# ---------------------------------------------------------------------------- stream options, stats, lifetime
+
+
+def _options_rank(rank, num_ranks, seed, own_comm):
+    import gc
+
+    import deep_ep
+
+    if own_comm:
+        os.environ["EP_NCCL_OWN_COMM"] = "1"
+    buffers = {b: _buffer(b, 256, 2048, deterministic=True) for b in ("kernels", "reference")}
+    assert buffers["kernels"].backend.runtime.comm.is_own == own_comm
+    num_local_experts = NUM_EXPERTS // num_ranks
+    gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+    for step, (previous, asynchronous, on_comm) in enumerate(itertools.product((False, True), repeat=3)):
+        if previous and not on_comm:
+            continue  # previous_event needs allocate_on_comm_stream (V2)
+        x, topk_idx, weights, bias = _make_inputs(rank, num_ranks, 200, 2048, "fp32", 0.1, True, 2, seed + step)
+        outs, stats = {}, {}
+        for b, buf in buffers.items():
+            stats[b] = torch.randint(0, 100, (num_local_experts,), dtype=torch.int32, device="cuda")
+            start = stats[b].clone()
+            kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=NUM_EXPERTS, expert_alignment=128,
+                          do_expand=step % 2 == 1, cumulative_local_expert_recv_stats=stats[b],
+                          async_with_compute_stream=asynchronous, allocate_on_comm_stream=on_comm)  # fmt: skip
+            if previous:
+                kwargs["previous_event"] = deep_ep.ElasticBuffer.capture()
+            outs[b] = buf.dispatch(x, **kwargs)
+            if asynchronous:
+                outs[b][4].current_stream_wait()
+            _equal(stats[b] - start, outs[b][3].num_unaligned_recv_tokens_per_expert, "stats increment")
+        _check_dispatch(outs["kernels"], outs["reference"], step % 2 == 1, False)
+        y, w = _combine_input(outs["kernels"][3], step % 2 == 1, gen)
+        comb = {}
+        for b, buf in buffers.items():
+            kwargs = dict(topk_weights=w, bias=bias, async_with_compute_stream=asynchronous,
+                          allocate_on_comm_stream=on_comm)  # fmt: skip
+            if previous:
+                kwargs["previous_event"] = deep_ep.ElasticBuffer.capture()
+            comb[b] = buf.combine(y, outs[b][3], **kwargs)
+            if asynchronous:
+                comb[b][2].current_stream_wait()
+        _equal(comb["kernels"][0], comb["reference"][0], "combined_x")
+        _equal(comb["kernels"][1], comb["reference"][1], "combined_topk_weights")
+    # Kernel buffers without explicitly_destroy are released when collected, and can be made again
+    for _ in range(2):
+        transient = deep_ep.ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=64, hidden=2048,
+                                          num_topk=NUM_TOPK, backend="kernels")  # fmt: skip
+        _roundtrip({"kernels": transient, "reference": buffers["reference"]}, rank, num_ranks, 32, seed, gen)
+        torch.distributed.barrier()
+        del transient
+        gc.collect()
+    for buf in buffers.values():
+        buf.destroy()
+    return own_comm
+
+
+@pytest.mark.parametrize("own_comm", [False, True], ids=["torch-comm", "own-comm"])
+def test_kernels_stream_options_stats_deterministic_and_lifetime(own_comm):
+    seed = time.time_ns() % 100000
+    spawn_ranks(_options_rank, 2, backend="nccl", args=(seed, own_comm), timeout_s=300)
+    print(f"\noptions ({'own' if own_comm else 'torch'} communicator): previous_event x async x "
+          f"allocate_on_comm_stream, stats, deterministic, collected buffers; seed {seed}")  # fmt: skip
