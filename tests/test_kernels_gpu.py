@@ -415,7 +415,8 @@ def _options_rank(rank, num_ranks, seed, own_comm):
         _equal(comb["kernels"][1], comb["reference"][1], "combined_topk_weights")
     # Kernel buffers without explicitly_destroy are released when collected, and can be made again
     for _ in range(2):
-        transient = deep_ep.ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=64, hidden=2048,
+        # Same num_max_tokens_per_rank as the reference: it is part of the source metadata
+        transient = deep_ep.ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=256, hidden=2048,
                                           num_topk=NUM_TOPK, backend="kernels")  # fmt: skip
         _roundtrip({"kernels": transient, "reference": buffers["reference"]}, rank, num_ranks, 32, seed, gen)
         torch.distributed.barrier()
