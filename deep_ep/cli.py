@@ -1,4 +1,4 @@
-"""The `deep-ep` command: `info`, `jit {list,clear,warmup}` and `bench` (more subcommands register below).
+"""The `deep-ep` command: `info`, `jit {list,clear,warmup}`, `bench` and `plan` (more subcommands register below).
 
 Every subcommand registers itself through one function taking the argparse subparsers; add new
 ones (`bench`, `plan`) to `register_commands`. `info` must work on any machine, GPU or not, and
@@ -342,11 +342,51 @@ def register_bench(subparsers: Any) -> None:
     parser.set_defaults(handler=cmd_bench)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the planner's SMs, QPs, buffer bytes, bottleneck and predicted times for both modes."""
+    import json
+
+    from deep_ep import planner
+
+    shape = planner.MoEShape(args.tokens, args.hidden, args.topk, args.experts, fp8_dispatch=args.fp8)
+    hardware = planner.detect_hardware()
+    plans = [planner.plan(shape, args.ranks, args.ranks_per_node, mode, hardware) for mode in ("direct", "hybrid")]
+    if args.json:
+        print(json.dumps({"shape": vars(args) | {"handler": None}, "hardware": hardware.__dict__,
+                          "plans": [p.as_dict() for p in plans]}, indent=2))  # fmt: skip
+        return 0
+    print(f"EP{args.ranks} ({args.ranks // args.ranks_per_node} x {args.ranks_per_node}), T={args.tokens}, "
+          f"H={args.hidden}, top-{args.topk} of {args.experts}, {'FP8' if args.fp8 else 'BF16'} dispatch")  # fmt: skip
+    print(f"{'mode':<7} {'SMs':>4} {'QPs':>4} {'dispatch buf':>13} {'combine buf':>12} {'bottleneck':>10} "
+          f"{'dispatch us':>11} {'combine us':>10} {'NVL rec/tok':>11} {'RDMA rec/tok':>12}")  # fmt: skip
+    for p in plans:
+        print(f"{p.mode:<7} {p.num_sms:>4} {p.num_qps:>4} {_human_bytes(p.dispatch_buffer_bytes):>13} "
+              f"{_human_bytes(p.combine_buffer_bytes):>12} {p.bottleneck:>10} {p.predicted_dispatch_us:>11.1f} "
+              f"{p.predicted_combine_us:>10.1f} {p.nvlink_records_per_token:>11.3f} {p.rdma_records_per_token:>12.3f}")  # fmt: skip
+    print(f"rates: {hardware.source}")
+    return 0
+
+
+def register_plan(subparsers: Any) -> None:
+    """`deep-ep plan` (runs anywhere: no GPU needed)."""
+    parser = subparsers.add_parser("plan", help="SMs, QPs, buffer bytes and predicted times from the bandwidth model")
+    parser.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks (up to 2048)")
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per NVLink domain")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--fp8", action="store_true", help="FP8 dispatch (per-128 FP32 scales)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(handler=cmd_plan)
+
+
 def register_commands(subparsers: Any) -> None:
     """Register every subcommand. Each one is a `register_<name>(subparsers)` function."""
     register_info(subparsers)
     register_jit(subparsers)
     register_bench(subparsers)
+    register_plan(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:
