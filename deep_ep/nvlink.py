@@ -246,8 +246,8 @@ class NvlinkRuntime:
                 num_meta_rows = num_recv_tokens
             else:
                 num_meta_rows = num_recv_tokens = max_recv
-                num_expanded_rows = self.worst_case_rows(
-                    num_max_tokens_per_rank, num_topk, num_local_experts, expert_alignment, True
+                num_expanded_rows = self.worst_case_expanded_rows(
+                    num_max_tokens_per_rank, num_topk, num_local_experts, expert_alignment
                 )
             num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
             state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_meta_rows, num_expanded_rows)
@@ -306,15 +306,12 @@ class NvlinkRuntime:
             "state": state,
         }
 
-    def worst_case_rows(
-        self, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int, expert_alignment: int,
-        do_expand: bool,
-    ) -> int:  # fmt: skip
-        """Rows of `recv_x` without CPU sync: every rank sends us all its tokens (and, expanded,
-        every token hits min(top-k, local experts) of ours, each expert block padded)."""
+    def worst_case_expanded_rows(
+        self, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int, expert_alignment: int
+    ) -> int:
+        """Expanded rows without CPU sync: every rank sends us all its tokens, each hitting
+        min(top-k, local experts) of ours, and every expert block is padded."""
         max_recv = self.num_ranks * num_max_tokens_per_rank
-        if not do_expand:
-            return max_recv
         return align(
             max_recv * min(num_topk, num_local_experts) + num_local_experts * (expert_alignment - 1), expert_alignment
         )

@@ -19,7 +19,6 @@ _SHIM_SOURCE = r"""
 #include <nccl.h>
 #include <nccl_device.h>
 
-extern "C" int ep_nccl_header_version() { return NCCL_VERSION_CODE; }
 extern "C" int ep_dev_comm_bytes() { return static_cast<int>(sizeof(ncclDevComm)); }
 
 extern "C" int ep_dev_comm_create(ncclComm_t comm, int lsa_barrier_count, void* out, int* lsa_rank, int* lsa_size) {
@@ -63,11 +62,6 @@ def _shim() -> ctypes.CDLL:
     ]
     lib.ep_dev_comm_destroy.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
-
-
-def shim_header_version() -> int:
-    """NCCL_VERSION_CODE of the headers the shim (and every kernel) was compiled against."""
-    return int(_shim().ep_nccl_header_version())
 
 
 class DeviceCommunicator:

@@ -60,13 +60,6 @@ class NcclLibrary:
     def call(self, name: str, *args: object, comm: int | None = None) -> None:
         self.check(getattr(self._lib, name)(*args), name, comm)
 
-    @functools.cached_property
-    def version_code(self) -> int:
-        """Runtime version as NCCL_VERSION_CODE (e.g. 22809 for 2.28.9)."""
-        value = ctypes.c_int()
-        self.call("ncclGetVersion", ctypes.byref(value))
-        return value.value
-
 
 @functools.cache
 def get_nccl_library() -> NcclLibrary:
