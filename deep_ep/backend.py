@@ -296,6 +296,9 @@ class EPBackend(abc.ABC):
     """
 
     name: ClassVar[str] = "abstract"
+    # True: a CPU-sync dispatch checks `topk_idx` values on the device, sends nothing when they are
+    # bad and raises the facade's `ValueError` from its wait (the facade then skips its host check)
+    checks_topk_values_on_device: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         self.group = group

@@ -235,6 +235,7 @@ class ElasticBuffer:
             num_allocated_qps=num_allocated_qps,
             deterministic=self.deterministic,
             allow_multiple_reduction=self.allow_multiple_reduction,
+            device_checks_topk_values=backend_class.checks_topk_values_on_device,
         )
 
         # Logical and physical domains

@@ -16,13 +16,30 @@ from .jit import KernelSpec, get_kernel
 from .paths import get_include_dir
 
 NUM_THREADS = 512
-NUM_LAYOUT_THREADS = 1024
-NUM_COUNT_THREADS = 1024
+NUM_EXPAND_RANK_THREADS = 1024
 
-_DISPATCH_PARAMS = (
-    "ncclDevComm", "ncclWindow_t", "const int4*", "const int*", "const int64_t*", "const float*", "const int*",
-    "const int*", "int", "int", "int", "int64_t*", "uint64_t",
-)  # fmt: skip
+
+class DispatchArgs(ctypes.Structure):
+    """Mirror of `deep_ep::DispatchArgs` (dispatch.cuh), passed by value."""
+
+    _fields_ = [
+        ("x", ctypes.c_uint64),
+        ("x_scales", ctypes.c_uint64),
+        ("topk_idx", ctypes.c_uint64),
+        ("topk_weights", ctypes.c_uint64),
+        ("slot_idx", ctypes.c_uint64),
+        ("dst_slot_idx", ctypes.c_uint64),
+        ("num_tokens_per_rank", ctypes.c_uint64),
+        ("num_recv_tokens_per_expert", ctypes.c_uint64),
+        ("counts_out", ctypes.c_uint64),
+        ("cumulative_stats", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_int),
+        ("num_max_tokens_per_rank", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("num_experts_per_rank", ctypes.c_int),
+        ("error_block", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+    ]
 
 
 class DispatchEpilogueArgs(ctypes.Structure):
@@ -30,6 +47,8 @@ class DispatchEpilogueArgs(ctypes.Structure):
 
     _fields_ = [
         ("window_base", ctypes.c_uint64),
+        ("x", ctypes.c_uint64),
+        ("x_scales", ctypes.c_uint64),
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("rank", ctypes.c_int),
         ("num_experts_per_rank", ctypes.c_int),
@@ -76,9 +95,13 @@ class CombineEpilogueArgs(ctypes.Structure):
         ("bias_1", ctypes.c_uint64),
         ("combined_x", ctypes.c_uint64),
         ("combined_topk_weights", ctypes.c_uint64),
+        ("local_x", ctypes.c_uint64),
+        ("local_topk_weights", ctypes.c_uint64),
+        ("psum_num_recv_tokens_per_rank", ctypes.c_uint64),
         ("num_tokens", ctypes.c_int),
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("num_experts_per_rank", ctypes.c_int),
+        ("rank", ctypes.c_int),
     ]
 
 
@@ -100,26 +123,20 @@ def _bool(value: bool) -> str:
 
 
 @functools.cache
-def dispatch_layout_spec(num_ranks: int, num_topk: int) -> KernelSpec:
+def dispatch_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, cached: bool) -> KernelSpec:
     return _spec(
-        "dispatch_layout",
-        (num_ranks, num_topk, NUM_LAYOUT_THREADS),
-        ("const int64_t*", "int", "int", "int*", "int*"),
-        use_nccl=False,
+        "dispatch",
+        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(cached)),
+        ("ncclDevComm", "ncclWindow_t", "deep_ep::DispatchArgs"),
     )
 
 
 @functools.cache
-def dispatch_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int) -> KernelSpec:
-    return _spec("dispatch", (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS), _DISPATCH_PARAMS)
-
-
-@functools.cache
-def dispatch_count_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int) -> KernelSpec:
+def dispatch_expand_rank_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int) -> KernelSpec:
     return _spec(
-        "dispatch_count",
-        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_COUNT_THREADS),
-        ("const char*", "int", "int", "int", "int*", "int*", "int*", "int*"),
+        "dispatch_expand_rank",
+        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_EXPAND_RANK_THREADS),
+        ("const char*", "int", "int", "int", "int*"),
         use_nccl=False,
     )
 
@@ -172,10 +189,10 @@ def load(spec: KernelSpec):
 def moe_specs(num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8_scale_bytes: tuple[int, ...] = ()):
     """Every specialisation one MoE shape uses: BF16 and each FP8 scale format, both layouts."""
     num_local_experts = num_experts // num_ranks
-    specs = [dispatch_layout_spec(num_ranks, num_topk), barrier_spec(num_ranks)]
+    specs = [barrier_spec(num_ranks)]
     for hidden_bytes, scale_bytes in [(hidden * 2, 0), *[(hidden, s) for s in fp8_scale_bytes]]:
-        specs.append(dispatch_spec(num_ranks, hidden_bytes, scale_bytes, num_topk))
-        specs.append(dispatch_count_spec(num_ranks, hidden_bytes, scale_bytes, num_topk))
+        specs += [dispatch_spec(num_ranks, hidden_bytes, scale_bytes, num_topk, c) for c in (False, True)]
+        specs.append(dispatch_expand_rank_spec(num_ranks, hidden_bytes, scale_bytes, num_topk))
         specs += [dispatch_epilogue_spec(num_ranks, hidden_bytes, scale_bytes, num_topk, e) for e in (False, True)]
     for num_rows, expand in ((1, False), (1, True), (min(num_topk, num_local_experts), True)):
         specs.append(combine_spec(num_ranks, hidden, num_topk, num_rows, expand))

@@ -14,7 +14,8 @@ MAX_LOCAL_EXPERTS = 1024
 SEMAPHORE_OFFSET = 0
 RECV_COUNT_OFFSET = SEMAPHORE_OFFSET + MAX_CHANNELS * MAX_RANKS * 4
 STATUS_OFFSET = RECV_COUNT_OFFSET + MAX_RANKS * 4
-WORKSPACE_BYTES = 128 * 1024
+RECV_EXPERT_COUNT_OFFSET = 128 * 1024
+WORKSPACE_BYTES = 512 * 1024
 BUFFER_ALIGNMENT = 2 * 1024 * 1024
 
 # Error block words (int64) and the phases a device wait can time out in
@@ -34,7 +35,8 @@ def align(value: int, alignment: int) -> int:
 
 @dataclass(frozen=True)
 class DispatchRecordLayout:
-    """One dispatched token in the window: hidden bytes, scales, top-k ids/weights, source index."""
+    """One dispatched token in the window: hidden bytes, scales, top-k ids/weights, source index;
+    128-byte aligned."""
 
     hidden_bytes: int
     scale_bytes: int
@@ -50,7 +52,7 @@ class DispatchRecordLayout:
 
     @property
     def num_bytes(self) -> int:
-        return self.meta_offset + align(self.num_topk * 8 + 4, 16)
+        return align(self.meta_offset + align(self.num_topk * 8 + 4, 16), 128)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from .layout import (
 from .nccl.communicator import Communicator
 from .nccl.device_comm import DeviceCommunicator
 from .nccl.window import SymmetricWindow
+from .validation import check_topk_idx_values
 
 # How long a host wait busy-polls before it starts sleeping between polls
 _SPIN_S = 0.05
@@ -42,6 +43,12 @@ _SPIN_S = 0.05
 
 def _ptr(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
+
+
+def raise_invalid_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """The dispatch kernel flagged `topk_idx` (and sent nothing): raise the facade's precise error."""
+    check_topk_idx_values("dispatch", topk_idx, num_experts)
+    raise ValueError(f"dispatch: `topk_idx` must hold distinct expert ids in [-1, {num_experts}) per row")
 
 
 @dataclass
@@ -204,44 +211,51 @@ class NvlinkRuntime:
         self.check_capacity(record.num_bytes, num_max_tokens_per_rank, "dispatch")
         device = x.device
         args_common = (self.num_ranks, hidden_bytes, scale_bytes, num_topk)
-        num_sms = max(1, min(num_sms, self.num_device_sms))
-
-        if cached is None:
-            slot_idx = torch.empty((num_tokens, self.num_ranks), dtype=torch.int32, device=device)
-            num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, device=device)
-            if num_tokens > 0:
-                kernels.load(kernels.dispatch_layout_spec(self.num_ranks, num_topk)).launch(
-                    grid=(1,), block=(kernels.NUM_LAYOUT_THREADS,), stream=stream,
-                    args=(topk_idx, I32(num_tokens), I32(num_local_experts), slot_idx, num_tokens_per_rank))  # fmt: skip
-            else:
-                num_tokens_per_rank.zero_()
-        else:
-            slot_idx, num_tokens_per_rank = cached.slot_idx, cached.num_tokens_per_rank
-
-        kernels.load(kernels.dispatch_spec(*args_common)).launch(
-            grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
-            args=(Opaque(self.dev_comm.raw), U64(self.window.handle), x, U64(_ptr(x_scales)), topk_idx,
-                  U64(_ptr(topk_weights)), slot_idx, num_tokens_per_rank, I32(num_tokens),
-                  I32(num_max_tokens_per_rank), I32(self.rank), U64(_ptr(self.error_block)),
-                  U64(self.timeout_ns)))  # fmt: skip
+        # One CTA per destination at least: CTA d tells rank d its counts
+        num_sms = max(self.num_ranks, min(num_sms, self.num_device_sms))
 
         counts_list = None
         if cached is None:
+            slot_idx = torch.empty((num_tokens, self.num_ranks), dtype=torch.int32, device=device)
+            dst_slot_idx = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=device)
+            num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, device=device)
             num_recv_per_expert = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+        else:
+            slot_idx, num_tokens_per_rank = cached.slot_idx, cached.num_tokens_per_rank
+            dst_slot_idx = None
+            num_recv_per_expert = cached_num_recv_tokens_per_expert
+            if cumulative_stats is not None:
+                cumulative_stats.add_(num_recv_per_expert)
+        dispatch_args = kernels.DispatchArgs(
+            x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+            slot_idx=_ptr(slot_idx), dst_slot_idx=_ptr(dst_slot_idx), num_tokens_per_rank=_ptr(num_tokens_per_rank),
+            num_recv_tokens_per_expert=_ptr(num_recv_per_expert),
+            counts_out=_ptr(self.device_counts) if (cached is None and do_cpu_sync) else 0,
+            cumulative_stats=_ptr(cumulative_stats) if cached is None else 0, num_tokens=num_tokens,
+            num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank, num_experts_per_rank=num_local_experts,
+            error_block=_ptr(self.error_block), timeout_ns=self.timeout_ns)  # fmt: skip
+        kernels.load(kernels.dispatch_spec(*args_common, cached is not None)).launch(
+            grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
+            args=(Opaque(self.dev_comm.raw), U64(self.window.handle), Opaque(bytes(dispatch_args))))  # fmt: skip
+
+        if cached is None:
             max_recv = self.num_ranks * num_max_tokens_per_rank
-            expand_scratch = self._expand_rank_scratch(max_recv * num_topk) if do_expand else None
-            kernels.load(kernels.dispatch_count_spec(*args_common)).launch(
-                grid=(num_local_experts,), block=(kernels.NUM_COUNT_THREADS,), stream=stream,
-                args=(U64(self.window.ptr), I32(num_max_tokens_per_rank), I32(self.rank), I32(num_local_experts),
-                      num_recv_per_expert, U64(_ptr(expand_scratch)),
-                      U64(_ptr(self.device_counts) if do_cpu_sync else 0), U64(_ptr(cumulative_stats))))  # fmt: skip
+            expand_scratch = None
+            if do_expand:
+                expand_scratch = self._expand_rank_scratch(max_recv * num_topk)
+                kernels.load(kernels.dispatch_expand_rank_spec(*args_common)).launch(
+                    grid=(num_local_experts,), block=(kernels.NUM_EXPAND_RANK_THREADS,), stream=stream,
+                    args=(U64(self.window.ptr), I32(num_max_tokens_per_rank), I32(self.rank), I32(num_local_experts),
+                          U64(_ptr(expand_scratch))))  # fmt: skip
             if do_cpu_sync:
-                self.host_counts.copy_(self.device_counts, non_blocking=True)
+                num_words = self.num_ranks + num_local_experts + 1
+                self.host_counts[:num_words].copy_(self.device_counts[:num_words], non_blocking=True)
                 self.wait(stream, "dispatch counts")
-                counts = self.host_counts[: self.num_ranks + num_local_experts].tolist()
+                counts = self.host_counts[:num_words].tolist()
+                if counts[-1]:
+                    raise_invalid_topk_idx(topk_idx, num_experts)
                 num_recv_tokens = sum(counts[: self.num_ranks])
-                per_expert = counts[self.num_ranks :]
-                counts_list = [align(c, expert_alignment) for c in per_expert]
+                counts_list = [align(c, expert_alignment) for c in counts[self.num_ranks : -1]]
                 num_expanded_rows = sum(counts_list)
                 num_meta_rows = num_recv_tokens
             else:
@@ -253,10 +267,7 @@ class NvlinkRuntime:
             state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_meta_rows, num_expanded_rows)
             recv_src_metadata = torch.empty((num_meta_rows, 2 + num_topk), dtype=torch.int32, device=device)
         else:
-            if cumulative_stats is not None:
-                cumulative_stats.add_(cached_num_recv_tokens_per_expert)
             state = cached
-            num_recv_per_expert = cached_num_recv_tokens_per_expert
             recv_src_metadata = cached_recv_src_metadata
             expand_scratch = None
             num_out_rows, num_recv_tokens = cached.num_out_rows, cached.num_meta_rows
@@ -280,7 +291,7 @@ class NvlinkRuntime:
         psum_expert = torch.empty(num_local_experts, dtype=torch.int32, device=device)
 
         epilogue_args = kernels.DispatchEpilogueArgs(
-            window_base=self.window.ptr, num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
+            window_base=self.window.ptr, x=_ptr(x), x_scales=_ptr(x_scales), num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
             num_experts_per_rank=num_local_experts, expert_alignment=expert_alignment, num_out_rows=num_out_rows,
             scale_col_stride=scale_col_stride, recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
             recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
@@ -289,8 +300,8 @@ class NvlinkRuntime:
             expand_rank_in_expert=_ptr(expand_scratch), is_cached=int(cached is not None),
             do_zero_padding=int(do_zero_padding))  # fmt: skip
         kernels.load(kernels.dispatch_epilogue_spec(*args_common, do_expand)).launch(
-            grid=(self.num_device_sms,), block=(kernels.NUM_THREADS,), stream=stream,
-            args=(Opaque(bytes(epilogue_args)),))  # fmt: skip
+            grid=(self._grid_for_rows(num_recv_tokens),), block=(kernels.NUM_THREADS,), stream=stream,
+            args=(Opaque(bytes(epilogue_args)),), pdl=True)  # fmt: skip
         return {
             "recv_x": recv_x,
             "recv_scales": recv_scales,
@@ -303,8 +314,14 @@ class NvlinkRuntime:
             "num_recv_tokens_per_expert_host": counts_list,
             "num_recv_tokens": num_recv_tokens,
             "num_out_rows": num_out_rows,
+            "dst_slot_idx": dst_slot_idx,
             "state": state,
         }
+
+    def _grid_for_rows(self, num_rows: int) -> int:
+        """CTAs for an epilogue over `num_rows` rows: one warp per row, at most one CTA per SM."""
+        rows_per_cta = kernels.NUM_THREADS // 32
+        return max(1, min(self.num_device_sms, (num_rows + rows_per_cta - 1) // rows_per_cta))
 
     def worst_case_expanded_rows(
         self, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int, expert_alignment: int
@@ -372,11 +389,15 @@ class NvlinkRuntime:
             epilogue_args = kernels.CombineEpilogueArgs(
                 window_base=self.window.ptr, topk_idx=_ptr(topk_idx), slot_idx=_ptr(state.slot_idx),
                 bias_0=_ptr(bias_0), bias_1=_ptr(bias_1), combined_x=_ptr(combined_x),
-                combined_topk_weights=_ptr(combined_w), num_tokens=num_tokens,
-                num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts)  # fmt: skip
-            grid = min(self.num_device_sms, (num_tokens + 15) // 16)
+                combined_topk_weights=_ptr(combined_w), local_x=0 if do_expand else _ptr(x),
+                local_topk_weights=0 if do_expand else _ptr(topk_weights),
+                psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank), num_tokens=num_tokens,
+                num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts,
+                rank=self.rank)  # fmt: skip
+            grid = self._grid_for_rows(num_tokens * ((hidden + 1023) // 1024))  # (token, 1024-wide part) items
             kernels.load(kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows)).launch(
-                grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),)
+                grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),),
+                pdl=True,
             )
         return combined_x, combined_w
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ class NvlinkBackend(EPBackend):
     """Dispatch and combine through NCCL symmetric memory and LSA stores over NVLink."""
 
     name = "kernels"
+    checks_topk_values_on_device: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
@@ -95,10 +97,7 @@ class NvlinkBackend(EPBackend):
         )
         state = out["state"]
         if handle is None:
-            # Per lane: the token's slot at the rank that owns the lane's expert
-            lanes = request.topk_idx
-            owner = torch.where(lanes >= 0, lanes // num_local_experts, torch.zeros_like(lanes))
-            dst_slot = state.slot_idx.gather(1, owner).masked_fill(lanes < 0, -1)
+            dst_slot = out["dst_slot_idx"]  # written by the dispatch kernel
             counts_list = out["num_recv_tokens_per_expert_host"]
         else:
             dst_slot = handle.dst_buffer_slot_idx

@@ -5,8 +5,9 @@ contiguity, value, combination of options) with a message that names the call, t
 expected and the actual value, e.g. "dispatch: `topk_idx` must have dtype torch.int64, got torch.int32".
 
 The value checks of `topk_idx` (range and repeated experts) read the tensor on the host (one
-synchronization). They are skipped while a CUDA graph is being captured and when the environment
-variable `EP_CHECK_VALUES=0` is set.
+synchronization). They are skipped while a CUDA graph is being captured, when the environment
+variable `EP_CHECK_VALUES=0` is set, and for a CPU-sync dispatch of a backend that checks the
+values on the device (the NVLink kernels).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class ValidationContext:
         num_allocated_qps: the most queue pairs a call may use.
         deterministic: the buffer's flag, copied into the requests.
         allow_multiple_reduction: the buffer's flag, copied into the requests.
+        device_checks_topk_values: the backend checks `topk_idx` values on the device, sends nothing
+            when they are bad and raises from its CPU-sync wait (so no host check is needed there).
     """
 
     num_ranks: int
@@ -49,6 +52,7 @@ class ValidationContext:
     num_allocated_qps: int
     deterministic: bool
     allow_multiple_reduction: bool
+    device_checks_topk_values: bool = False
 
 
 def value_checks_enabled() -> bool:
@@ -290,7 +294,8 @@ def validate_dispatch(
                 f"{op}: `x` must have at most `num_max_tokens_per_rank` = {num_max_tokens_per_rank} tokens (rows), got {num_tokens}"
             )
         do_cpu_sync = True if do_cpu_sync is None else as_bool(op, "do_cpu_sync", do_cpu_sync)
-        if value_checks_enabled():
+        # A backend that validates on the device raises from its CPU-sync wait, before any data moves
+        if value_checks_enabled() and not (do_cpu_sync and ctx.device_checks_topk_values):
             check_topk_idx_values(op, topk_idx, num_experts)
     num_topk = topk_idx.shape[1]
 

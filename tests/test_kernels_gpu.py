@@ -305,6 +305,48 @@ def test_kernels_peer_skipping_dispatch_raises_timeout_then_recovers():
     print(f"\nfault: rank 0 -> {outcomes[0]}")
 
 
+def _bad_topk_rank(rank, num_ranks, seed):
+    import deep_ep
+
+    group = torch.distributed.group.WORLD
+    buf = _buffer("kernels", 128, 2048)
+    reference = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2048, num_topk=NUM_TOPK,
+                                      backend="reference", explicitly_destroy=True)  # fmt: skip
+    x, topk_idx, weights, _ = _make_inputs(rank, num_ranks, 64, 2048, "none", 0.0, False, 0, seed)
+    stats = torch.randint(0, 100, (NUM_EXPERTS // num_ranks,), dtype=torch.int32, device="cuda")
+    stats_before = stats.clone()
+    received_from_peer = []
+    for bad_value, message in ((NUM_EXPERTS, "must be in"), (None, "must not repeat")):
+        bad = topk_idx.clone()
+        if bad_value is None:
+            bad[17, 0], bad[17, 1] = 3, 3  # a repeated expert
+        else:
+            bad[5, 2] = bad_value
+        bad_before = bad.clone()
+        if rank == 0:
+            # The kernel validates on the device, sends nothing and the CPU-sync wait raises
+            with pytest.raises(ValueError, match=f"`topk_idx`.*{message}"):
+                buf.dispatch(x, topk_idx=bad, topk_weights=weights, num_experts=NUM_EXPERTS,
+                             cumulative_local_expert_recv_stats=stats)  # fmt: skip
+            assert torch.equal(bad, bad_before) and torch.equal(stats, stats_before), "an input was modified"
+        else:
+            handle = buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=NUM_EXPERTS)[3]
+            received_from_peer.append(int(handle.psum_num_recv_tokens_per_scaleup_rank[0]))
+    # The buffer still works on both ranks
+    gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+    _roundtrip({"kernels": buf, "reference": reference}, rank, num_ranks, 100, seed + 1, gen)
+    buf.destroy()
+    reference.destroy()
+    return received_from_peer
+
+
+def test_kernels_reject_bad_topk_idx_on_device_and_stay_usable():
+    seed = time.time_ns() % 100000
+    received = spawn_ranks(_bad_topk_rank, 2, backend="nccl", args=(seed,), timeout_s=300)
+    # Rank 1 completed both dispatches and got no tokens from the rank whose input was bad
+    assert received[1] == [0, 0], received
+
+
 # ---------------------------------------------------------------------------- CUDA graphs
 
 

@@ -19,6 +19,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kSemaphoreOffset == {layout.SEMAPHORE_OFFSET});",
         f"static_assert(deep_ep::kRecvCountOffset == {layout.RECV_COUNT_OFFSET + offset_delta});",
         f"static_assert(deep_ep::kStatusOffset == {layout.STATUS_OFFSET});",
+        f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
         f"static_assert(deep_ep::kWorkspaceBytes == {layout.WORKSPACE_BYTES});",
         f"static_assert(deep_ep::kMaxLocalExperts == {layout.MAX_LOCAL_EXPERTS});",
         f"static_assert(deep_ep::kErrWords == {len(layout.ERROR_WORDS)});",

@@ -4,7 +4,8 @@
 // deep_ep/layout.py mirrors every constant here; a CPU test checks that the two agree.
 //
 //   window = [workspace | data region]
-//   workspace: per-CTA, per-source-rank counting semaphores, per-source received counts, status
+//   workspace: per-CTA, per-source-rank counting semaphores, per-source received token counts,
+//              status, per-(source, local expert) received counts
 //   data region: kNumRanks source blocks of `num_max_tokens_per_rank` slots each; a source owns
 //                its block in every destination, so it places tokens without asking anyone.
 //                Dispatch records and combine slots share the region: they are never live at once.
@@ -17,16 +18,23 @@ namespace deep_ep {
 
 constexpr int kMaxRanks = 64;
 constexpr int kMaxChannels = 256;  // CTAs of one communication kernel
+constexpr int kMaxLocalExperts = 1024;
 constexpr int64_t kSemaphoreOffset = 0;
 constexpr int64_t kRecvCountOffset = kSemaphoreOffset + int64_t(kMaxChannels) * kMaxRanks * sizeof(int);
 // Non-zero once any wait of this buffer timed out: kernels poll it here, in device memory, because
 // reads of host-mapped memory cost microseconds each (the host-mapped error block is only written).
 constexpr int64_t kStatusOffset = kRecvCountOffset + kMaxRanks * sizeof(int);
-constexpr int64_t kWorkspaceBytes = 128 * 1024;
-static_assert(kStatusOffset % 8 == 0 and kStatusOffset + 8 <= kWorkspaceBytes, "workspace overflow");
+// Senders publish how many of their tokens go to each of our local experts, so no receiver-side
+// pass over the records is needed to count them.
+constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
+constexpr int64_t kWorkspaceBytes = 512 * 1024;
+static_assert(kStatusOffset % 8 == 0 and kStatusOffset + 8 <= kRecvExpertCountOffset, "workspace overflow");
+static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kWorkspaceBytes,
+              "workspace overflow");
 
 // One dispatched token: hidden bytes, scale bytes, then metadata (top-k ids as int32, top-k
-// weights as float, source token index), each part padded to 16 bytes for vector copies.
+// weights as float, source token index), each part padded to 16 bytes for vector copies. Records
+// start on 128-byte lines: stores that straddle lines cost NVLink bandwidth.
 template <int kHiddenBytes, int kNumScaleBytes, int kNumTopk>
 struct DispatchRecord {
     static_assert(kHiddenBytes % 16 == 0, "hidden bytes must be a multiple of 16");
@@ -35,7 +43,7 @@ struct DispatchRecord {
     static constexpr int kTopkIdxOffset = kMetaOffset;
     static constexpr int kWeightOffset = kTopkIdxOffset + kNumTopk * 4;
     static constexpr int kSrcIdxOffset = kWeightOffset + kNumTopk * 4;
-    static constexpr int kBytes = kMetaOffset + align_up(kNumTopk * 8 + 4, 16);
+    static constexpr int kBytes = align_up(kMetaOffset + align_up(kNumTopk * 8 + 4, 16), 128);
 };
 
 // One combine slot: `kNumRows` BF16 rows (1, or one per local top-k lane without multiple

@@ -49,6 +49,11 @@ __device__ __forceinline__ int atomic_add_relaxed_sys(int* ptr, int v) {
 
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// Programmatic dependent launch: a kernel launched with the PDL attribute may start while its
+// predecessor runs; it must wait before touching anything the predecessor writes.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
 // 16-byte global accesses: the widest a thread can issue, so a warp moves 512 bytes per instruction.
 __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
     int4 v;

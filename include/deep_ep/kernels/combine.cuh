@@ -4,10 +4,13 @@
 // source's combine slot for (this rank, slot), over NVLink. In the expanded layout with multiple
 // reduction the rows of a token's local experts are first summed here (FP32, top-k lane order,
 // one rounding to BF16); without it each local lane's row travels on its own.
+// In the plain layout the rows this rank received from itself stay where they are: the combine
+// epilogue reads them straight from `x`, so only rows for other ranks are copied.
+// Work is split into (row, part) items, one batch of loads each, spread over every warp.
 
-#include <cuda_bf16.h>
 #include <nccl_device.h>
 
+#include "../common/bf16.cuh"
 #include "../common/comm.cuh"
 #include "../common/copy.cuh"
 #include "../common/layout.cuh"
@@ -33,6 +36,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
     constexpr int kMetaCols = 2 + kNumTopk;
+    constexpr bool kReduce = kExpand and kNumRows == 1;
+    constexpr int kUnroll = kReduce ? kCopyUnroll / 2 : kCopyUnroll;
+    constexpr int kNumParts = num_copy_parts<kRowVectors, kUnroll>();
     static_assert(kExpand or kNumRows == 1, "the plain layout sends one row per token");
     (void)comm;
 
@@ -50,78 +56,55 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                     args.timeout_ns))
         return;
 
+    // The epilogue may launch now (programmatic dependent launch); it waits for our completion
+    griddep_launch_dependents();
+
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     const int num_recv_tokens = psum_src[kNumRanks];
-    for (int i = blockIdx.x * kNumWarps + warp_idx; i < num_recv_tokens; i += gridDim.x * kNumWarps) {
+    const int own_begin = psum_src[args.rank], num_own = kExpand ? 0 : psum_src[args.rank + 1] - own_begin;
+    const int num_items = (num_recv_tokens - num_own) * kNumParts;
+    for (int item = blockIdx.x * kNumWarps + warp_idx; item < num_items; item += gridDim.x * kNumWarps) {
+        const int part = item % kNumParts;
+        int i = item / kNumParts;
+        if (i >= own_begin) i += num_own;
         int s = 0;
         while (psum_src[s + 1] <= i) ++s;
         char* slot = static_cast<char*>(peer_windows[s]) + kWorkspaceBytes +
                      (static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + (i - psum_src[s])) *
                          Slot::kBytes;
         float* slot_weights = reinterpret_cast<float*>(slot + Slot::kWeightOffset);
+        int4* slot_rows = reinterpret_cast<int4*>(slot);
 
         if constexpr (not kExpand) {
             const int4* src = args.x + static_cast<int64_t>(i) * kRowVectors;
-            warp_copy<kRowVectors>(
-                lane_idx, [&](int v) { return ld_nc_v4(src + v); },
-                [&](int v, const int4& value) { st_na_v4(reinterpret_cast<int4*>(slot) + v, value); });
-            if (lane_idx < kNumTopk)
+            warp_copy_part<kRowVectors, kUnroll>(
+                lane_idx, part, [&](int v) { return ld_nc_v4(src + v); },
+                [&](int v, const int4& value) { st_na_v4(slot_rows + v, value); });
+            if (part == 0 and lane_idx < kNumTopk)
                 slot_weights[lane_idx] =
                     args.topk_weights != nullptr ? args.topk_weights[static_cast<int64_t>(i) * kNumTopk + lane_idx] : 0.0f;
         } else {
             const int expanded_row =
                 lane_idx < kNumTopk ? args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 2 + lane_idx] : -1;
             const uint32_t local_lanes = __ballot_sync(0xffffffff, expanded_row >= 0);
-            if (lane_idx < kNumTopk)
+            if (part == 0 and lane_idx < kNumTopk)
                 slot_weights[lane_idx] =
                     (args.topk_weights != nullptr and expanded_row >= 0) ? args.topk_weights[expanded_row] : 0.0f;
-            if constexpr (kNumRows == 1) {
-                // Multiple reduction: sum the local lanes here, in lane order. The rows are
-                // gathered before the hidden loop, whose trip count may differ between lanes.
-                int rows[kNumTopk];
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k) rows[k] = __shfl_sync(0xffffffff, expanded_row, k);
-                constexpr int kUnroll = 4;
-#pragma unroll 1
-                for (int base = 0; base < kRowVectors; base += 32 * kUnroll) {
-                    float acc[kUnroll][8];
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-#pragma unroll
-                    for (int k = 0; k < kNumTopk; ++k) {
-                        if (rows[k] < 0) continue;
-                        const int4* row = args.x + static_cast<int64_t>(rows[k]) * kRowVectors;
-                        int4 values[kUnroll];
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            const int v = base + u * 32 + lane_idx;
-                            if (v < kRowVectors) values[u] = ld_nc_v4(row + v);
-                        }
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            if (base + u * 32 + lane_idx >= kRowVectors) continue;
-                            const auto* bf16 = reinterpret_cast<const __nv_bfloat162*>(&values[u]);
-#pragma unroll
-                            for (int j = 0; j < 4; ++j) {
-                                const float2 f = __bfloat1622float2(bf16[j]);
-                                acc[u][2 * j] += f.x;
-                                acc[u][2 * j + 1] += f.y;
-                            }
-                        }
+            if constexpr (kReduce) {
+                // Multiple reduction: sum the local lanes here, in lane order
+                float acc[kUnroll][8];
+                reduce_part<kRowVectors, kUnroll>(lane_idx, part, acc, [&](auto accumulate) {
+                    uint32_t lanes = local_lanes;
+                    while (lanes != 0) {
+                        const int k = __ffs(lanes) - 1;
+                        lanes &= lanes - 1;
+                        accumulate(args.x + static_cast<int64_t>(__shfl_sync(0xffffffff, expanded_row, k)) * kRowVectors);
                     }
+                });
 #pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int v = base + u * 32 + lane_idx;
-                        if (v >= kRowVectors) continue;
-                        int4 out;
-                        auto* out_bf16 = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-                        for (int j = 0; j < 4; ++j)
-                            out_bf16[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
-                        st_na_v4(reinterpret_cast<int4*>(slot) + v, out);
-                    }
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int v = part * 32 * kUnroll + u * 32 + lane_idx;
+                    if (v < kRowVectors) st_na_v4(slot_rows + v, round_bf16x8(acc[u]));
                 }
             } else {
                 // No multiple reduction: the j-th local lane's row goes to sub-row j
@@ -129,11 +112,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 for (int j = 0; lanes != 0; ++j) {
                     const int k = __ffs(lanes) - 1;
                     lanes &= lanes - 1;
-                    const int row = __shfl_sync(0xffffffff, expanded_row, k);
-                    const int4* src = args.x + static_cast<int64_t>(row) * kRowVectors;
-                    int4* dst = reinterpret_cast<int4*>(slot + j * Slot::kRowBytes);
-                    warp_copy<kRowVectors>(
-                        lane_idx, [&](int v) { return ld_nc_v4(src + v); },
+                    const int4* src = args.x + static_cast<int64_t>(__shfl_sync(0xffffffff, expanded_row, k)) * kRowVectors;
+                    int4* dst = slot_rows + j * (Slot::kRowBytes / 16);
+                    warp_copy_part<kRowVectors, kUnroll>(
+                        lane_idx, part, [&](int v) { return ld_nc_v4(src + v); },
                         [&](int v, const int4& value) { st_na_v4(dst + v, value); });
                 }
             }

@@ -5,6 +5,10 @@
 // expanded one (one row per (token, local expert), each expert's block aligned to
 // `expert_alignment`), and fill the handle's prefix sums and source metadata.
 // The order is fixed by the slots, so the output is deterministic by construction.
+// Records a rank sent itself hold only metadata: their payload is read from the dispatch input.
+// Launched with programmatic dependent launch: it waits for the dispatch before reading anything.
+
+#include <cub/block/block_scan.cuh>
 
 #include "../common/copy.cuh"
 #include "../common/fault.cuh"
@@ -14,10 +18,10 @@
 
 namespace deep_ep {
 
-constexpr int kMaxLocalExperts = 1024;
-
 struct DispatchEpilogueArgs {
     const char* window_base;
+    const int4* x;         // the dispatch input: payload of the rows this rank sent itself
+    const int* x_scales;   // may be null
     int num_max_tokens_per_rank;
     int rank;
     int num_experts_per_rank;
@@ -44,8 +48,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
     constexpr int kHiddenVectors = kHiddenBytes / 16;
     constexpr int kNumScaleInts = kNumScaleBytes / 4;
     constexpr int kMetaCols = 2 + kNumTopk;
+    constexpr int kExpertsPerThread = kMaxLocalExperts / kNumThreads;
+    static_assert(kMaxLocalExperts % kNumThreads == 0, "whole experts per thread");
+    using Scan = cub::BlockScan<int, kNumThreads>;
+    __shared__ typename Scan::TempStorage scan_storage;
     __shared__ int psum_src[kNumRanks + 1];
     __shared__ int expert_offset[kMaxLocalExperts + 1];
+    griddep_wait();
     if (has_error(args.window_base)) return;
 
     const int num_local_experts = args.num_experts_per_rank;
@@ -54,10 +63,24 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
         psum_src[0] = 0;
         for (int s = 0; s < kNumRanks; ++s)
             psum_src[s + 1] = psum_src[s] + min(recv_counts[s], args.num_max_tokens_per_rank);
-        expert_offset[0] = 0;
-        for (int e = 0; e < num_local_experts; ++e)
-            expert_offset[e + 1] =
-                expert_offset[e] + align_up(args.num_recv_tokens_per_expert[e], args.expert_alignment);
+    }
+    // Aligned expert block offsets: every CTA needs them in the expanded layout, only the one that
+    // writes the handle's prefix sums in the plain layout
+    if (kExpand or blockIdx.x == 0) {
+        int counts[kExpertsPerThread];
+#pragma unroll
+        for (int j = 0; j < kExpertsPerThread; ++j) {
+            const int e = static_cast<int>(threadIdx.x) * kExpertsPerThread + j;
+            counts[j] = e < num_local_experts ? align_up(args.num_recv_tokens_per_expert[e], args.expert_alignment) : 0;
+        }
+        int total;
+        Scan(scan_storage).ExclusiveSum(counts, counts, total);
+#pragma unroll
+        for (int j = 0; j < kExpertsPerThread; ++j) {
+            const int e = static_cast<int>(threadIdx.x) * kExpertsPerThread + j;
+            if (e < num_local_experts) expert_offset[e] = counts[j];
+        }
+        if (threadIdx.x == 0) expert_offset[num_local_experts] = total;
     }
     __syncthreads();
     const int num_recv_tokens = psum_src[kNumRanks];
@@ -73,14 +96,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     const int first_expert = args.rank * num_local_experts;
 
-    auto copy_row = [&](const char* record, int out_row) {
+    // `src`: the record's payload, or the dispatch input's row for records from this rank
+    auto copy_row = [&](const int4* src, const int* src_scales, int out_row) {
         if (out_row >= args.num_out_rows) return;
-        const int4* src = reinterpret_cast<const int4*>(record);
         int4* dst = args.recv_x + static_cast<int64_t>(out_row) * kHiddenVectors;
         warp_copy<kHiddenVectors>(
             lane_idx, [&](int i) { return ld_nc_v4(src + i); }, [&](int i, const int4& v) { st_na_v4(dst + i, v); });
         if constexpr (kNumScaleInts > 0) {
-            const int* src_scales = reinterpret_cast<const int*>(record + Record::kScaleOffset);
             for (int i = lane_idx; i < kNumScaleInts; i += 32) {
                 const int64_t offset = args.scale_col_stride == 0
                                            ? static_cast<int64_t>(out_row) * kNumScaleInts + i
@@ -100,11 +122,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
         const float* record_weights = reinterpret_cast<const float*>(record + Record::kWeightOffset);
         const int src_token = *reinterpret_cast<const int*>(record + Record::kSrcIdxOffset);
         int* meta = args.recv_src_metadata + static_cast<int64_t>(i) * kMetaCols;
+        const bool from_self = s == args.rank;
+        const int4* payload = from_self ? args.x + static_cast<int64_t>(src_token) * kHiddenVectors
+                                        : reinterpret_cast<const int4*>(record);
+        const int* payload_scales = from_self ? args.x_scales + static_cast<int64_t>(src_token) * kNumScaleInts
+                                              : reinterpret_cast<const int*>(record + Record::kScaleOffset);
 
         const int expert = lane_idx < kNumTopk ? record_topk[lane_idx] : -1;
         const bool is_local = expert >= first_expert and expert < first_expert + num_local_experts;
         if constexpr (not kExpand) {
-            copy_row(record, i);
+            copy_row(payload, payload_scales, i);
             if (lane_idx < kNumTopk) {
                 args.recv_topk_idx[static_cast<int64_t>(i) * kNumTopk + lane_idx] = is_local ? expert - first_expert : -1;
                 if (args.recv_topk_weights != nullptr)
@@ -126,7 +153,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
                 const int k = __ffs(lanes) - 1;
                 lanes &= lanes - 1;
                 const int row = __shfl_sync(0xffffffff, out_row, k);
-                copy_row(record, row);
+                copy_row(payload, payload_scales, row);
                 if (lane_idx == 0 and args.recv_topk_weights != nullptr and row < args.num_out_rows)
                     args.recv_topk_weights[row] = record_weights[k];
             }

@@ -1,10 +1,9 @@
 #pragma once
 
-// After dispatch, on the receiving rank: count the received (token, local expert) pairs of every
-// local expert (one CTA per expert, a block scan over received rows in source order), and, for
-// the expanded layout, give each pair its index inside its expert's block. Also hands the
-// per-source and per-expert counts in one small device array for the host to copy (CPU-sync path), and adds
-// the counts to the user's cumulative statistics.
+// Expanded dispatch, on the receiving rank: give every received (token, local expert) pair its
+// index inside the expert's block, in source order (received rows are grouped by source rank,
+// then by source token). One CTA per local expert runs a block scan over the received rows.
+// The counts themselves come from the senders (dispatch.cuh); only the ranks need the records.
 
 #include <cub/block/block_scan.cuh>
 
@@ -15,9 +14,8 @@ namespace deep_ep {
 
 template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    dispatch_count_impl(const char* window_base, int num_max_tokens_per_rank, int rank, int num_experts_per_rank,
-                        int* num_recv_tokens_per_expert, int* expand_rank_in_expert, int* counts_out,
-                        int* cumulative_stats) {
+    dispatch_expand_rank_impl(const char* window_base, int num_max_tokens_per_rank, int rank,
+                              int num_experts_per_rank, int* expand_rank_in_expert) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     using Scan = cub::BlockScan<int, kNumThreads>;
     __shared__ typename Scan::TempStorage scan_storage;
@@ -50,18 +48,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         int rank_in_expert, num_in_chunk;
         Scan(scan_storage).ExclusiveSum(lane >= 0 ? 1 : 0, rank_in_expert, num_in_chunk);
         __syncthreads();
-        if (lane >= 0 and expand_rank_in_expert != nullptr)
-            expand_rank_in_expert[static_cast<int64_t>(i) * kNumTopk + lane] = num_before + rank_in_expert;
+        if (lane >= 0) expand_rank_in_expert[static_cast<int64_t>(i) * kNumTopk + lane] = num_before + rank_in_expert;
         num_before += num_in_chunk;
     }
-
-    if (threadIdx.x == 0) {
-        num_recv_tokens_per_expert[blockIdx.x] = num_before;
-        if (cumulative_stats != nullptr) cumulative_stats[blockIdx.x] += num_before;
-        if (counts_out != nullptr) counts_out[kNumRanks + blockIdx.x] = num_before;
-    }
-    if (blockIdx.x == 0 and threadIdx.x < kNumRanks and counts_out != nullptr)
-        counts_out[threadIdx.x] = psum_src[threadIdx.x + 1] - psum_src[threadIdx.x];
 }
 
 }  // namespace deep_ep
