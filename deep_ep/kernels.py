@@ -29,6 +29,7 @@ class DispatchArgs(ctypes.Structure):
         ("topk_weights", ctypes.c_uint64),
         ("slot_idx", ctypes.c_uint64),
         ("dst_slot_idx", ctypes.c_uint64),
+        ("layout_scratch", ctypes.c_uint64),
         ("num_tokens_per_rank", ctypes.c_uint64),
         ("num_recv_tokens_per_expert", ctypes.c_uint64),
         ("counts_out", ctypes.c_uint64),

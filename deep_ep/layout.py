@@ -17,6 +17,8 @@ STATUS_OFFSET = RECV_COUNT_OFFSET + MAX_RANKS * 4
 RECV_EXPERT_COUNT_OFFSET = 128 * 1024
 WORKSPACE_BYTES = 512 * 1024
 BUFFER_ALIGNMENT = 2 * 1024 * 1024
+# int32 words of a fresh dispatch's device scratch (grid barrier, per-CTA counts, per-expert counts)
+DISPATCH_SCRATCH_INTS = 32 + MAX_CHANNELS * MAX_RANKS + MAX_CHANNELS + MAX_RANKS * MAX_LOCAL_EXPERTS
 
 # Error block words (int64) and the phases a device wait can time out in
 ERROR_WORDS = ("status", "phase", "rank", "peer", "channel", "observed", "expected")
@@ -26,6 +28,7 @@ PHASES = {
     3: "dispatch exit barrier",
     4: "combine entry barrier",
     5: "combine exit barrier",
+    6: "dispatch grid barrier",
 }
 
 

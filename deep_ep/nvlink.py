@@ -23,6 +23,7 @@ from . import kernels
 from .errors import EPTimeoutError
 from .jit import I32, U64, Opaque
 from .layout import (
+    DISPATCH_SCRATCH_INTS,
     ERROR_WORDS,
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
@@ -102,6 +103,7 @@ class NvlinkRuntime:
         # copy, a D2H copy brings them to pinned memory (device reads of host memory are slow)
         self.device_counts = torch.zeros(MAX_RANKS + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cuda")
         self.host_counts = torch.zeros(MAX_RANKS + MAX_LOCAL_EXPERTS, dtype=torch.int32, pin_memory=True)
+        self.dispatch_scratch = torch.zeros(DISPATCH_SCRATCH_INTS, dtype=torch.int32, device="cuda")
         self._expand_scratch: torch.Tensor | None = None
         self.dead_reason: str | None = None
 
@@ -228,7 +230,8 @@ class NvlinkRuntime:
                 cumulative_stats.add_(num_recv_per_expert)
         dispatch_args = kernels.DispatchArgs(
             x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-            slot_idx=_ptr(slot_idx), dst_slot_idx=_ptr(dst_slot_idx), num_tokens_per_rank=_ptr(num_tokens_per_rank),
+            slot_idx=_ptr(slot_idx), dst_slot_idx=_ptr(dst_slot_idx),
+            layout_scratch=_ptr(self.dispatch_scratch), num_tokens_per_rank=_ptr(num_tokens_per_rank),
             num_recv_tokens_per_expert=_ptr(num_recv_per_expert),
             counts_out=_ptr(self.device_counts) if (cached is None and do_cpu_sync) else 0,
             cumulative_stats=_ptr(cumulative_stats) if cached is None else 0, num_tokens=num_tokens,
@@ -396,7 +399,10 @@ class NvlinkRuntime:
                 rank=self.rank)  # fmt: skip
             grid = self._grid_for_rows(num_tokens * ((hidden + 1023) // 1024))  # (token, 1024-wide part) items
             kernels.load(kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows)).launch(
-                grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),),
+                grid=(grid,),
+                block=(kernels.NUM_THREADS,),
+                stream=stream,
+                args=(Opaque(bytes(epilogue_args)),),
                 pdl=True,
             )
         return combined_x, combined_w

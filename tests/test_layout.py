@@ -22,6 +22,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
         f"static_assert(deep_ep::kWorkspaceBytes == {layout.WORKSPACE_BYTES});",
         f"static_assert(deep_ep::kMaxLocalExperts == {layout.MAX_LOCAL_EXPERTS});",
+        f"static_assert(deep_ep::kDispatchScratchInts == {layout.DISPATCH_SCRATCH_INTS});",
         f"static_assert(deep_ep::kErrWords == {len(layout.ERROR_WORDS)});",
     ]
     for hidden_bytes, scale_bytes, topk in SHAPES:
@@ -40,7 +41,8 @@ def _assertions(offset_delta: int = 0) -> str:
     for code, name in layout.PHASES.items():
         constant = {"barrier": "kPhaseBarrier", "dispatch entry barrier": "kPhaseDispatchEntry",
                     "dispatch exit barrier": "kPhaseDispatchExit", "combine entry barrier": "kPhaseCombineEntry",
-                    "combine exit barrier": "kPhaseCombineExit"}[name]  # fmt: skip
+                    "combine exit barrier": "kPhaseCombineExit",
+                    "dispatch grid barrier": "kPhaseDispatchGrid"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")
     return "\n".join(lines)
 

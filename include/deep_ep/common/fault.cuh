@@ -20,6 +20,7 @@ enum Phase : int {
     kPhaseDispatchExit = 3,
     kPhaseCombineEntry = 4,
     kPhaseCombineExit = 5,
+    kPhaseDispatchGrid = 6,
 };
 
 // Where a kernel tells the others of its buffer that a wait failed: the status word of the

@@ -32,6 +32,16 @@ static_assert(kStatusOffset % 8 == 0 and kStatusOffset + 8 <= kRecvExpertCountOf
 static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kWorkspaceBytes,
               "workspace overflow");
 
+// Device scratch of a fresh dispatch (int32 words, zeroed at buffer creation, zero again after
+// every dispatch): a grid barrier, per-CTA token counts per destination, per-CTA invalid-row flags,
+// and per-expert token counts accumulated by every CTA.
+constexpr int kScratchArrive = 0;
+constexpr int kScratchGeneration = 1;
+constexpr int kScratchChunkCounts = 32;
+constexpr int kScratchChunkBad = kScratchChunkCounts + kMaxChannels * kMaxRanks;
+constexpr int kScratchExpertCounts = kScratchChunkBad + kMaxChannels;
+constexpr int kDispatchScratchInts = kScratchExpertCounts + kMaxRanks * kMaxLocalExperts;
+
 // One dispatched token: hidden bytes, scale bytes, then metadata (top-k ids as int32, top-k
 // weights as float, source token index), each part padded to 16 bytes for vector copies. Records
 // start on 128-byte lines: stores that straddle lines cost NVLink bandwidth.

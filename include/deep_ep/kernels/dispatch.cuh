@@ -4,14 +4,14 @@
 // destination rank that owns one of its experts, straight into the destination's window at its
 // slot (the source owns that slot block, so no atomics and no ordering between CTAs).
 //
-// Fresh dispatch (not kCached): CTA c owns a contiguous chunk of tokens. Before the entry barrier
-// it reads all of `topk_idx` (L2-resident, a few microseconds), which gives the number of tokens
-// before its chunk for every destination, hence the slots of its own tokens in source order, and
-// validates every row, so all CTAs agree on whether anything may be sent. CTA d (the grid has at
-// least one CTA per rank) also counts, in the same pass, our tokens per expert of rank d and
-// tells d, with our token count, after the entry barrier; after the exit barrier CTA `rank`,
-// which is paired with exactly those senders, sums what it was told. No separate layout or count
-// kernel runs.
+// Fresh dispatch (not kCached): CTA c owns a contiguous chunk of tokens. It counts its chunk's
+// tokens per destination, adds its tokens per expert to device-wide counters and validates its
+// rows; after a grid barrier every CTA knows how many tokens precede its chunk for each
+// destination (hence the slots of its tokens, in source order) and whether any row was bad (then
+// nothing is sent). CTA d (the grid has at least one CTA per rank) tells rank d, after the entry
+// barrier, how many tokens and how many per local expert it gets; after the exit barrier CTA
+// `rank`, which is paired with exactly those senders, sums what it was told. No separate layout
+// or count kernel runs.
 // Cached dispatch: the slots come from the handle.
 // A rank's records for itself carry only their metadata: the epilogue reads the payload from `x`.
 // Channel c of each rank pairs with channel c of the others for the entry and exit barriers.
@@ -33,6 +33,7 @@ struct DispatchArgs {
     const float* topk_weights;   // [num_tokens, topk] or null
     int* slot_idx;               // [num_tokens, num_ranks]: written (fresh) or read (cached); -1 = not sent
     int* dst_slot_idx;           // [num_tokens, topk]: per lane, the slot at the lane's rank (fresh), or null
+    int* layout_scratch;         // [kDispatchScratchInts], zero between fresh dispatches (layout.cuh)
     int* num_tokens_per_rank;    // [num_ranks]: written (fresh) or read (cached)
     int* num_recv_tokens_per_expert;  // [num_experts_per_rank], written by a fresh dispatch
     int* counts_out;             // [num_ranks + num_experts_per_rank + 1] for the host (recv per source,
@@ -91,8 +92,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     __shared__ int warp_total[kNumWarps][kNumRanks];
     __shared__ int rank_base[kNumRanks];
     __shared__ int rank_total[kNumRanks];
-    __shared__ int expert_counts[kCached ? 1 : kMaxLocalExperts];
     load_peer_windows<kNumRanks>(window, peer_windows);
+    const FaultSink fault = make_fault_sink(peer_windows[args.rank], args.error_block);
 
     const int channel = blockIdx.x, num_channels = gridDim.x;
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
@@ -103,47 +104,58 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     bool is_bad = false;
 
     if constexpr (not kCached) {
-        // Tokens before our chunk and in total, per destination (warp ballots, no atomics)
-        for (int i = threadIdx.x; i < kNumWarps * kNumRanks; i += kNumThreads) {
-            (&warp_before[0][0])[i] = 0;
-            (&warp_total[0][0])[i] = 0;
-        }
-        for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) expert_counts[e] = 0;
+        int* scratch = args.layout_scratch;
+        // Our chunk: tokens per destination (warp ballots), tokens per expert (device-wide atomics),
+        // and whether every row is valid
+        for (int i = threadIdx.x; i < kNumWarps * kNumRanks; i += kNumThreads) (&warp_total[0][0])[i] = 0;
         __syncthreads();
-        const int64_t counted_experts_begin = static_cast<int64_t>(channel) * num_local_experts;
-        for (int base = 0; base < num_tokens; base += kNumThreads) {
+        for (int base = chunk_begin; base < chunk_end; base += kNumThreads) {
             const int t = base + static_cast<int>(threadIdx.x);
+            bool is_bad_row = false;
             const uint64_t mask =
-                t < num_tokens ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, is_bad) : 0;
-            if (channel < kNumRanks and ((mask >> channel) & 1)) {
+                t < chunk_end ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, is_bad_row) : 0;
+            is_bad |= is_bad_row;
+            if (t < chunk_end and not is_bad_row) {
 #pragma unroll
                 for (int k = 0; k < kNumTopk; ++k) {
-                    const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k) - counted_experts_begin;
-                    if (expert >= 0 and expert < num_local_experts) atomicAdd(&expert_counts[expert], 1);
+                    const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
+                    if (expert >= 0) atomicAdd(scratch + kScratchExpertCounts + expert, 1);
                 }
             }
 #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
-                const bool hit = (mask >> d) & 1;
-                const int num_before = __popc(__ballot_sync(0xffffffff, hit and t < chunk_begin));
-                const int num_hits = __popc(__ballot_sync(0xffffffff, hit));
-                if (lane_idx == 0) {
-                    warp_before[warp_idx][d] += num_before;
-                    warp_total[warp_idx][d] += num_hits;
-                }
+                const int num_hits = __popc(__ballot_sync(0xffffffff, (mask >> d) & 1));
+                if (lane_idx == 0) warp_total[warp_idx][d] += num_hits;
             }
         }
         is_bad = __syncthreads_or(is_bad);
         if (threadIdx.x < kNumRanks) {
+            int total = 0;
+            for (int w = 0; w < kNumWarps; ++w) total += warp_total[w][threadIdx.x];
+            scratch[kScratchChunkCounts + channel * kMaxRanks + threadIdx.x] = total;
+        }
+        if (threadIdx.x == 0) scratch[kScratchChunkBad + channel] = is_bad;
+
+        // Every chunk's counts: our slots start after the chunks before ours
+        if (!grid_barrier(scratch + kScratchArrive, scratch + kScratchGeneration, fault, kPhaseDispatchGrid, args.rank,
+                          args.timeout_ns))
+            return;
+        // L2 loads (`.cg`, ordered after the barrier's acquire) that the compiler may batch: a volatile
+        // load per iteration would pay the full L2 latency once per channel
+        if (threadIdx.x < kNumRanks) {
             int before = 0, total = 0;
-            for (int w = 0; w < kNumWarps; ++w) {
-                before += warp_before[w][threadIdx.x];
-                total += warp_total[w][threadIdx.x];
+#pragma unroll 8
+            for (int c = 0; c < num_channels; ++c) {
+                const int count = __ldcg(scratch + kScratchChunkCounts + c * kMaxRanks + threadIdx.x);
+                before += c < channel ? count : 0;
+                total += count;
             }
             rank_base[threadIdx.x] = before;
             rank_total[threadIdx.x] = total;
         }
-        __syncthreads();
+        int any_bad = 0;
+        for (int c = threadIdx.x; c < num_channels; c += kNumThreads) any_bad |= __ldcg(scratch + kScratchChunkBad + c);
+        is_bad = __syncthreads_or(any_bad);
 
         // Slots of our chunk, in token order: base + earlier warps + earlier lanes
         for (int base = chunk_begin; base < chunk_end and not is_bad; base += kNumThreads) {
@@ -196,8 +208,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             reinterpret_cast<int*>(peer + kRecvCountOffset)[args.rank] = count;
         }
         if constexpr (not kCached) {
+            // Hand over our per-expert counts for `channel` and return their scratch to zero
             int* counts = reinterpret_cast<int*>(peer + kRecvExpertCountOffset) + args.rank * kMaxLocalExperts;
-            for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) counts[e] = is_bad ? 0 : expert_counts[e];
+            int* pending = args.layout_scratch + kScratchExpertCounts + channel * num_local_experts;
+            for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
+                counts[e] = is_bad ? 0 : __ldcg(pending + e);
+                pending[e] = 0;
+            }
         }
     }
     // The epilogue may launch now (programmatic dependent launch); it waits for our completion
