@@ -22,6 +22,7 @@ _LAZY = {
     "EventOverlap": "deep_ep.event",
     "EPTimeoutError": "deep_ep.errors",
     "topk_idx_t": "deep_ep.buffer",
+    "ExpertParallelMoE": "deep_ep.nn",
 }
 
 
