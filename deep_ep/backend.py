@@ -30,8 +30,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from deep_ep.utils.math import align
-
 if TYPE_CHECKING:
     from deep_ep.handle import EPHandle
 
@@ -264,29 +262,6 @@ class CombineResult:
     combined_topk_weights: torch.Tensor | None
 
 
-def default_buffer_size_hint(
-    num_ranks: int,
-    num_max_tokens_per_rank: int,
-    hidden: int,
-    num_topk: int = 0,
-    use_fp8_dispatch: bool = False,
-    allow_multiple_reduction: bool = True,
-) -> int:
-    """A simple buffer size: one receive slot per (source rank, token) for dispatch and combine records.
-
-    Dispatch record: data (`H` bytes FP8 + `4 * ceil(H / 128)` scale bytes, or `2 * H` BF16), top-k ids
-    (8 bytes per lane), weights (4 bytes per lane) and 16 bytes of metadata, padded to 16 bytes.
-    Combine record: `2 * H` BF16 plus weights, `K` of them per token without multiple reduction.
-    `num_topk = 0` counts as 32 lanes (the worst case). The result is aligned to 2 MiB.
-    """
-    num_topk = num_topk if num_topk > 0 else 32
-    data_bytes = hidden + 4 * ((hidden + 127) // 128) if use_fp8_dispatch else 2 * hidden
-    dispatch_record = align(data_bytes + 12 * num_topk + 16, 16)
-    combine_record = align(2 * hidden + 4 * num_topk, 16) * (1 if allow_multiple_reduction else num_topk)
-    num_slots = num_ranks * num_max_tokens_per_rank
-    return align(max(dispatch_record, combine_record) * num_slots, BUFFER_ALIGNMENT_BYTES)
-
-
 class EPBackend(abc.ABC):
     """The data-moving half of an `ElasticBuffer`; see the module docstring for the contract.
 
@@ -315,10 +290,14 @@ class EPBackend(abc.ABC):
         allow_hybrid_mode: bool = True,
         allow_multiple_reduction: bool = True,
     ) -> int:
-        """Return the buffer bytes this backend needs for the MoE shape (2 MiB aligned); no communication."""
-        return default_buffer_size_hint(
-            group.size(), num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_multiple_reduction
-        )
+        """Return the buffer bytes for the MoE shape (2 MiB aligned; `deep_ep.planner.buffer_size_hint`:
+        the NVLink window layout, so a buffer sized here also fits the kernels); no communication."""
+        from deep_ep import planner
+
+        return planner.buffer_size_hint(
+            group.size(), num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
+            allow_multiple_reduction,
+        )  # fmt: skip
 
     def get_logical_domain_size(self) -> tuple[int, int]:
         """Return `(num_scaleout_ranks, num_scaleup_ranks)`; one scale-up domain by default."""

@@ -313,22 +313,50 @@ class ElasticBuffer:
         )
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
-        """Return the SM count for dispatch/combine (a placeholder until the planner's bandwidth model).
+        """Return the SM count for dispatch/combine that the planner picks for this buffer (memoized).
+
+        The planner (`deep_ep.planner`, docs/planner.md) models the time of a dispatch and a combine of
+        `num_max_tokens_per_rank` tokens of `hidden` (FP8 or BF16 dispatch as the buffer was sized) on
+        this group's NVLink domains from the calibrated rates of our kernels, and returns the fewest
+        even SMs within a few percent of the time at half the device's SMs (at least 64 without
+        `prefer_overlap_with_compute`). A buffer created without `num_max_tokens_per_rank` or `hidden`
+        is planned for 4096 tokens of hidden 7168.
 
         Arguments:
             num_experts: the number of experts.
             num_topk: the number of top-k lanes.
 
         Returns:
-            num_sms: 24 (64 without `prefer_overlap_with_compute`), at most the device's SM count.
+            num_sms: the SM count, at most the device's (132 SMs are assumed without CUDA).
         """
-        num_sms = 24 if self.prefer_overlap_with_compute else 64
-        if self.device.type == "cuda":
-            num_sms = min(num_sms, torch.cuda.get_device_properties(self.device).multi_processor_count)
-        return num_sms
+        from deep_ep import planner
+
+        cache = self.__dict__.setdefault("_theoretical_num_sms", {})
+        key = (num_experts, num_topk)
+        if key not in cache:
+            num_device_sms = None
+            if self.device.type == "cuda":
+                num_device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            try:
+                cache[key] = planner.theoretical_num_sms(
+                    num_tokens=self.num_max_tokens_per_rank or planner.DEFAULT_PLAN_TOKENS,
+                    hidden=self.hidden or planner.DEFAULT_PLAN_HIDDEN,
+                    num_topk=num_topk,
+                    num_experts=num_experts,
+                    use_fp8_dispatch=self.use_fp8_dispatch,
+                    num_ranks=self.num_ranks,
+                    num_ranks_per_domain=self.num_nvlink_ranks,
+                    use_hybrid=self.allow_hybrid_mode and self.num_rdma_ranks > 1,
+                    prefer_overlap_with_compute=self.prefer_overlap_with_compute,
+                    num_device_sms=num_device_sms,
+                )
+            except ValueError as error:
+                raise ValueError(f"get_theoretical_num_sms: {error}") from error
+        return cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """Return the RDMA queue-pair count for `num_sms` SMs (V2's rule), at most `num_allocated_qps`.
+        """Return the RDMA queue-pair count for `num_sms` SMs (V2's rule, `deep_ep.planner`), at most
+        `num_allocated_qps`.
 
         Arguments:
             num_sms: the SM count of the call.
@@ -336,9 +364,10 @@ class ElasticBuffer:
         Returns:
             num_qps: `num_sms * 16 + 1` in hybrid mode across domains, else `min(num_sms, 9)`.
         """
+        from deep_ep import planner
+
         use_hybrid = self.allow_hybrid_mode and self.num_scaleout_ranks > 1
-        num_qps = num_sms * 16 + 1 if use_hybrid else min(num_sms, 8 + 1)
-        return min(num_qps, self.num_allocated_qps)
+        return min(planner.theoretical_num_qps(num_sms, use_hybrid), self.num_allocated_qps)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """Return `(num_rdma_ranks, num_nvlink_ranks)`."""

@@ -1,4 +1,4 @@
-"""The `deep-ep` command: `info`, `jit {list,clear,warmup}`, `bench` and `plan` (more subcommands register below).
+"""The `deep-ep` command: `info`, `jit {list,clear,warmup}`, `bench`, `calibrate` and `plan`.
 
 Every subcommand registers itself through one function taking the argparse subparsers; add new
 ones (`bench`, `plan`) to `register_commands`. `info` must work on any machine, GPU or not, and
@@ -310,40 +310,109 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Run the dispatch/combine benchmark on whatever is present (see `deep_ep.benchmark`)."""
-    from deep_ep import benchmark
+def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        values = [item.strip() for item in text.split(",") if item.strip()]
+        wrong = [v for v in values if v not in choices]
+        if not values or wrong:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values from {', '.join(choices)}, got {text!r}")
+        return values
 
-    config = benchmark.default_config(sms=args.sms, tokens=args.tokens)
+    return parse
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the dispatch/combine benchmark on whatever is present (see `deep_ep.bench.runner`)."""
+    from deep_ep.bench import cases, runner
+
+    config = cases.default_config(sms=args.sms, tokens=args.tokens, dtypes=args.dtype, routings=args.routing)
     if args.iters is not None:
         config.num_iters = args.iters
-    benchmark.run(config, json_path=args.json, plot_path=args.plot, command=" ".join(["deep-ep", *sys.argv[1:]]))
+    if args.samples is not None:
+        config.num_graph_samples = args.samples
+    if args.seed is not None:
+        config.seed = args.seed
+    config.graphs = config.graphs and not args.no_graphs
+    config.breakdown = args.breakdown
+    config.hot_fraction = args.hot_fraction
+    runner.run(config, json_path=args.json, plot_path=args.plot, command=" ".join(["deep-ep", *sys.argv[1:]]))
     return 0
 
 
 def register_bench(subparsers: Any) -> None:
     """`deep-ep bench`."""
+    from deep_ep.bench import DEFAULT_HOT_FRACTION, DTYPES, ROUTINGS
+
     parser = subparsers.add_parser(
         "bench",
         help="time dispatch/combine against torch all_to_all_single and the NVLink speed of light",
         description="GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
         "no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are checked against "
-        "deep_ep.reference before they are timed.",
+        "deep_ep.reference before they are timed. On GPUs every case is timed eagerly (dispatch with CPU sync, "
+        "then combine) and, from CUDA-graph replays, as device time of a fresh no-sync dispatch, a cached "
+        "dispatch and a combine. Each (dtype, routing, tokens) runs the planner's SM pick plus the --sms sweep.",
     )
     parser.add_argument(
-        "--sms", type=_int_list, default=None, help="SM counts to sweep, e.g. 8,16,24 (default: planner)"
+        "--sms", type=_int_list, default=None, help="SM counts to sweep besides the planner's pick, e.g. 8,16,24"
     )
     parser.add_argument("--tokens", type=_int_list, default=None, help="tokens per rank, e.g. 8192,4096,128")
-    parser.add_argument("--iters", type=int, default=None, help="timed iterations per measurement")
+    parser.add_argument("--dtype", type=_choice_list(DTYPES), default=None,
+                        help="dispatch dtypes: fp8 (per-128 FP32 scales), bf16, or both, e.g. fp8,bf16 (default fp8)")  # fmt: skip
+    parser.add_argument("--routing", type=_choice_list(ROUTINGS), default=None,
+                        help="uniform, imbalanced (one hot rank: rank 0), or both (default uniform)")  # fmt: skip
+    parser.add_argument("--hot-fraction", type=float, default=DEFAULT_HOT_FRACTION,
+                        help="imbalanced routing: share of tokens that prefer the hot rank's experts")  # fmt: skip
+    parser.add_argument("--iters", type=int, default=None, help="timed eager iterations per measurement")
+    parser.add_argument("--samples", type=int, default=None, help="graph-replay samples per measurement (GPUs)")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing (GPUs)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="per-kernel device times of the planner's cases (torch profiler; GPUs)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=None, help="seed of the inputs (default: from the clock)")
     parser.add_argument(
         "--json", default=None, metavar="FILE", help="write the results (with commit, command, hardware, date)"
     )
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="plot bandwidth vs tokens and vs SMs")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="plot bandwidth vs tokens and vs SMs (the planner's pick marked)")  # fmt: skip
     parser.set_defaults(handler=cmd_bench)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure the planner's rates on the local GPUs (or refit a document) and write the document."""
+    from deep_ep.bench import calibrate
+
+    settings = calibrate.CalibrationSettings()
+    if args.tokens:
+        settings.tokens = args.tokens
+    if args.sms:
+        settings.sms = args.sms
+    if args.samples is not None:
+        settings.num_samples = args.samples
+    command = " ".join(["deep-ep", *sys.argv[1:]])
+    calibrate.run(command, out=args.out, refit_path=args.refit, settings=settings)
+    return 0
+
+
+def register_calibrate(subparsers: Any) -> None:
+    """`deep-ep calibrate`."""
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure the planner's link and per-SM rates on the local GPUs and write deep_ep/data/hopper.json",
+        description="Needs 2+ GPUs in one NVLink domain: times our peer-store probe and CUDA-graph replays of "
+        "dispatch (fresh, cached) and combine over token and SM counts, fits the planner's model "
+        "(docs/planner.md) and writes the rates with their provenance. --refit FILE redoes the fit on any machine.",
+    )
+    parser.add_argument("--out", default=None, metavar="FILE",
+                        help="where to write the document (default: the package's deep_ep/data/hopper.json)")  # fmt: skip
+    parser.add_argument("--refit", default=None, metavar="FILE", help="refit the measurements of this document")
+    parser.add_argument("--tokens", type=_int_list, default=None, help="tokens per rank (default 8192,4096,1024,128)")
+    parser.add_argument("--sms", type=_int_list, default=None, help="SM counts (default 2..96; all SMs are added)")
+    parser.add_argument("--samples", type=int, default=None, help="graph-replay samples per point (default 5)")
+    parser.set_defaults(handler=cmd_calibrate)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the planner's SMs, QPs, buffer bytes, bottleneck and predicted times for both modes."""
+    import dataclasses
     import json
 
     from deep_ep import planner
@@ -352,7 +421,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hardware = planner.detect_hardware()
     plans = [planner.plan(shape, args.ranks, args.ranks_per_node, mode, hardware) for mode in ("direct", "hybrid")]
     if args.json:
-        print(json.dumps({"shape": vars(args) | {"handler": None}, "hardware": hardware.__dict__,
+        print(json.dumps({"shape": vars(args) | {"handler": None}, "hardware": dataclasses.asdict(hardware),
                           "plans": [p.as_dict() for p in plans]}, indent=2))  # fmt: skip
         return 0
     print(f"EP{args.ranks} ({args.ranks // args.ranks_per_node} x {args.ranks_per_node}), T={args.tokens}, "
@@ -386,6 +455,7 @@ def register_commands(subparsers: Any) -> None:
     register_info(subparsers)
     register_jit(subparsers)
     register_bench(subparsers)
+    register_calibrate(subparsers)
     register_plan(subparsers)
 
 

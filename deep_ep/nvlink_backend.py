@@ -16,7 +16,7 @@ from .backend import (
     DispatchResult,
     EPBackend,
 )
-from .layout import MAX_LOCAL_EXPERTS, MAX_RANKS, max_slot_bytes, window_bytes
+from .layout import MAX_LOCAL_EXPERTS, MAX_RANKS
 from .nvlink import NvlinkRuntime
 
 
@@ -52,23 +52,6 @@ class NvlinkBackend(EPBackend):
             # EP_NCCL_OWN_COMM=1: our own NCCL communicator instead of borrowing torch's
             force_own_comm=os.environ.get("EP_NCCL_OWN_COMM", "0") == "1",
         )
-
-    @classmethod
-    def get_buffer_size_hint(
-        cls,
-        group: dist.ProcessGroup,
-        num_max_tokens_per_rank: int,
-        hidden: int,
-        num_topk: int = 0,
-        use_fp8_dispatch: bool = False,
-        allow_hybrid_mode: bool = True,
-        allow_multiple_reduction: bool = True,
-    ) -> int:
-        """The window bytes per rank: workspace plus `num_ranks * num_max_tokens_per_rank` slots, each
-        large enough for a dispatch record and a combine slot of this shape (2 MiB aligned)."""
-        num_topk = num_topk if num_topk > 0 else 32
-        slot = max_slot_bytes(hidden, num_topk, use_fp8_dispatch, allow_multiple_reduction)
-        return window_bytes(group.size(), num_max_tokens_per_rank, slot)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         num_local_experts = request.num_experts // self.config.num_ranks

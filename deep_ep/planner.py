@@ -2,7 +2,8 @@
 
 No autotuning: the counts come from a bandwidth model of the links and of the SMs that drive them
 (docs/planner.md explains the formulas with a worked example). The model plans for clusters we
-cannot run here (up to EP2048); `deep-ep plan` prints it.
+cannot run here (up to EP2048); `deep-ep plan` prints it. Its rates are calibrated on our GPU
+machine by `deep-ep calibrate` and stored, with their provenance, in `deep_ep/data/hopper.json`.
 
 Traffic per rank, for `T` tokens of `B` bytes each, `N` ranks in domains of `S` ranks (`n = N / S`
 domains), `E` experts and top-`K` routing spread uniformly:
@@ -16,48 +17,113 @@ domains), `E` experts and top-`K` routing spread uniformly:
   `p (N - n)` records per token cross NVLink (every record except those whose final rank is the
   RDMA receiver or ourselves).
 
-The bottleneck link sets the time; the SMs must store every record they deliver over NVLink (their
-own included) and read every token, at calibrated per-SM rates, within that time.
+Time of one direction on `m` SMs (all times in microseconds):
+
+    t(m) = smooth_max_k(t_link, t_sm(m)) + t_epilogue + t_fixed
+
+with `t_link` the busier link, `t_sm(m) = SM bytes / (m r)` at the calibrated per-SM rate `r` of our
+kernel, `smooth_max_k(a, b) = (a^k + b^k)^(1/k)` (the plain max for `k = None`; the calibrated `k`
+says how gradually the link saturates), `t_epilogue = logical bytes / e` (the kernels whose cost does
+not depend on `m`: layout, counts, epilogue) and `t_fixed` the cost of a call at tiny `T`.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
+import importlib.resources
+import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 MAX_RANKS = 2048
+
+# The SM pick: the fewest (even) SMs whose predicted time is within this fraction of the time at the
+# reference SM count (half the device with `prefer_overlap_with_compute`, else all of it)
+PICK_TOLERANCE = 0.04
+
+# Planning shape of a buffer created without `num_max_tokens_per_rank` or `hidden`
+DEFAULT_PLAN_TOKENS = 4096
+DEFAULT_PLAN_HIDDEN = 7168
+
+# Where the calibrated rates live (package data) and the document's format version
+HARDWARE_FILE = "data/hopper.json"
+HARDWARE_FORMAT = 1
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """Link and SM throughputs of one GPU, each in GB/s per direction, with where they come from."""
+    """Link rates of one GPU and the calibrated rates of our kernels on it, with where they come from.
+
+    Attributes:
+        nvlink_gbs: NVLink GB/s per direction with every rank writing at once (our peer-store probe).
+        rdma_gbs: GB/s of the NIC per direction.
+        num_device_sms: SMs of the device.
+        dispatch_sm_gbs, combine_sm_gbs: logical GB/s one SM of our dispatch / combine kernel moves
+            where the SMs are the limit (`r`).
+        dispatch_knee_k, combine_knee_k: exponent `k` of the smooth max of link and SM time (`None`:
+            the plain max).
+        dispatch_epilogue_gbs, combine_epilogue_gbs: logical GB/s of the kernels whose cost does not
+            depend on the SM count (`e`; `None`: no such term).
+        dispatch_fixed_us, combine_fixed_us: cost of a call at tiny `T` (`t_fixed`).
+        source: the provenance of these numbers.
+    """
 
     nvlink_gbs: float
     rdma_gbs: float
-    sm_read_gbs: float
-    sm_write_gbs: float
     num_device_sms: int
-    fixed_us: float  # launches, barriers and epilogue latency of one dispatch or combine
+    dispatch_sm_gbs: float
+    combine_sm_gbs: float
+    dispatch_knee_k: float | None
+    combine_knee_k: float | None
+    dispatch_epilogue_gbs: float | None
+    combine_epilogue_gbs: float | None
+    dispatch_fixed_us: float
+    combine_fixed_us: float
     source: str
 
+    def op_rates(self, op: str) -> tuple[float, float | None, float | None, float]:
+        """`(sm_gbs, knee_k, epilogue_gbs, fixed_us)` of `op` (`'dispatch'` or `'combine'`)."""
+        if op not in ("dispatch", "combine"):
+            raise ValueError(f"Hardware.op_rates: `op` must be 'dispatch' or 'combine', got {op!r}")
+        return (
+            getattr(self, f"{op}_sm_gbs"),
+            getattr(self, f"{op}_knee_k"),
+            getattr(self, f"{op}_epilogue_gbs"),
+            getattr(self, f"{op}_fixed_us"),
+        )
 
-# Hopper (H200, NVLink NV18) as measured on our GPU machine; see `source`.
-HOPPER = Hardware(
-    nvlink_gbs=347.0,
-    rdma_gbs=50.0,
-    sm_read_gbs=200.0,
-    sm_write_gbs=50.6,
-    num_device_sms=132,
-    fixed_us=20.0,
-    source=(
-        "2x H200 NV18, 2026-11-29 (shared/docs/nccl.md): SM-driven peer stores 50.6 GB/s per SM, linear to "
-        "~7 SMs; both ranks writing: 342/347/367 GB/s per direction at 8/24/132 CTAs. rdma_gbs: one 400 Gb/s "
-        "NIC per GPU (nominal). sm_read_gbs and fixed_us: first estimates, to be replaced by "
-        "bench/calibrate.py on the GPU machine"
-    ),
-)
+
+def hardware_from_document(document: dict[str, Any]) -> Hardware:
+    """The `Hardware` of a calibration document (the format `deep-ep calibrate` writes)."""
+    if document.get("format") != HARDWARE_FORMAT:
+        raise ValueError(f"hardware document: `format` must be {HARDWARE_FORMAT}, got {document.get('format')!r}")
+    values = document["hardware"]
+    provenance = document["provenance"]
+    source = (
+        f"{document['status']}: {provenance['machine']}, {provenance['date']}, commit {provenance['commit'][:12]}, "
+        f"`{provenance['command']}`"
+    )
+    names = [f.name for f in fields(Hardware) if f.name != "source"]
+    missing = [name for name in names if name not in values]
+    if missing:
+        raise ValueError(f"hardware document: `hardware` lacks {missing}")
+    return Hardware(**{name: values[name] for name in names}, source=source)
+
+
+def load_hardware(path: str | Path | None = None) -> Hardware:
+    """Load the calibrated rates from `path`, by default the package's `deep_ep/data/hopper.json`."""
+    if path is None:
+        text = importlib.resources.files("deep_ep").joinpath(HARDWARE_FILE).read_text()
+    else:
+        text = Path(path).read_text()
+    return hardware_from_document(json.loads(text))
+
+
+# Hopper (H200, NVLink NV18) as measured on our GPU machine; `HOPPER.source` says when and how.
+HOPPER = load_hardware()
 
 
 @dataclass(frozen=True)
@@ -83,6 +149,30 @@ class MoEShape:
 
 
 @dataclass(frozen=True)
+class Traffic:
+    """Expected records per token leaving one rank (uniform top-k routing)."""
+
+    mode: str
+    hit_probability: float  # p: a given rank owns one of the token's experts
+    nvlink_records: float
+    rdma_records: float
+    logical_records: float  # every (token, destination rank) record, the own one included: p N
+    sm_records: float  # records the SMs write: NVLink, RDMA staging and the own copy
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """The predicted time of one direction on `num_sms` SMs, and its terms (microseconds)."""
+
+    total_us: float
+    link_us: float
+    sm_us: float
+    epilogue_us: float
+    fixed_us: float
+    link: str  # the busier link: 'nvlink' or 'rdma' ('none' without traffic over links)
+
+
+@dataclass(frozen=True)
 class Plan:
     """What the planner decides for one mode."""
 
@@ -96,6 +186,10 @@ class Plan:
     predicted_combine_us: float
     nvlink_records_per_token: float
     rdma_records_per_token: float
+    dispatch_link_us: float
+    dispatch_sm_us: float
+    combine_link_us: float
+    combine_sm_us: float
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -122,36 +216,8 @@ def check_inputs(shape: MoEShape, num_ranks: int, num_ranks_per_domain: int) -> 
         raise ValueError(f"plan: `hidden` and `tokens` must be positive, got {shape.hidden} and {shape.num_tokens}")
 
 
-def _buffer_bytes(record_bytes: int, num_tokens: int, num_ranks: int, num_domains: int, mode: str) -> int:
-    """Receive slots per rank: one per (source rank, token); hybrid adds one per (source domain, token)."""
-    from .layout import BUFFER_ALIGNMENT, WORKSPACE_BYTES, align
-
-    slots = num_ranks * num_tokens + (num_domains * num_tokens if mode == "hybrid" else 0)
-    return align(WORKSPACE_BYTES + slots * align(record_bytes + 16, 16), BUFFER_ALIGNMENT)
-
-
-def plan(
-    shape: MoEShape,
-    num_ranks: int,
-    num_ranks_per_domain: int,
-    mode: str = "direct",
-    hardware: Hardware = HOPPER,
-    prefer_overlap_with_compute: bool = True,
-) -> Plan:
-    """Plan one mode for `shape` on `num_ranks` ranks in NVLink domains of `num_ranks_per_domain`.
-
-    Arguments:
-        shape: tokens per rank, hidden, top-k, experts, dispatch dtype.
-        num_ranks: `N`, ranks of the expert-parallel group.
-        num_ranks_per_domain: `S`, ranks that share one NVLink domain (GPUs per node).
-        mode: `'direct'` (every record straight to its rank) or `'hybrid'` (RDMA between domains to
-            the same local index, NVLink forwarding inside).
-        hardware: link and SM rates.
-        prefer_overlap_with_compute: leave SMs to the model; without it, use at least 64.
-
-    Returns:
-        The plan: SMs, QPs, buffer bytes, bottleneck link, predicted times.
-    """
+def traffic(shape: MoEShape, num_ranks: int, num_ranks_per_domain: int, mode: str = "direct") -> Traffic:
+    """Expected records per token over each link for `mode` (one domain: always direct)."""
     check_inputs(shape, num_ranks, num_ranks_per_domain)
     if mode not in ("direct", "hybrid"):
         raise ValueError(f"plan: `mode` must be 'direct' or 'hybrid', got {mode!r}")
@@ -162,60 +228,162 @@ def plan(
     if mode == "direct":
         nvlink_records = p * (num_ranks_per_domain - 1)
         rdma_records = p * (num_ranks - num_ranks_per_domain)
-        forwarded_records = 0.0
     else:
         p_domain = expected_hit_groups(shape.num_experts, shape.num_topk, num_domains) / num_domains
         rdma_records = p_domain * (num_domains - 1)
         nvlink_records = p * (num_ranks - num_domains)
-        forwarded_records = rdma_records
-    stored_records = nvlink_records + p  # every NVLink record plus the one a rank keeps for itself
+    return Traffic(mode, p, nvlink_records, rdma_records, p * num_ranks, nvlink_records + rdma_records + p)
 
-    def times(record_bytes: int, num_sms: int) -> tuple[float, float, str]:
-        tokens_bytes = shape.num_tokens * record_bytes
-        t_nvlink = tokens_bytes * nvlink_records / (hardware.nvlink_gbs * 1e3)
-        t_rdma = tokens_bytes * rdma_records / (hardware.rdma_gbs * 1e3) if rdma_records > 0 else 0.0
-        t_link, bottleneck = (t_rdma, "rdma") if t_rdma > t_nvlink else (t_nvlink, "nvlink")
-        t_sm = max(
-            tokens_bytes * stored_records / (num_sms * hardware.sm_write_gbs * 1e3),
-            tokens_bytes * (1 + forwarded_records) / (num_sms * hardware.sm_read_gbs * 1e3),
-        )
-        if t_sm > t_link:
-            bottleneck = "sm"
-        return max(t_link, t_sm) + hardware.fixed_us, t_link, bottleneck
 
-    # The fewest SMs whose store and read rates keep up with the bottleneck link, for the heavier direction
-    heavier = max(shape.dispatch_bytes, shape.combine_bytes)
-    _, t_link, _ = times(heavier, hardware.num_device_sms)
-    if t_link > 0:
-        tokens_bytes = shape.num_tokens * heavier
-        needed = max(
-            tokens_bytes * stored_records / (t_link * hardware.sm_write_gbs * 1e3),
-            tokens_bytes * (1 + forwarded_records) / (t_link * hardware.sm_read_gbs * 1e3),
+def smooth_max(a: float, b: float, k: float | None) -> float:
+    """`(a^k + b^k)^(1/k)` for non-negative `a`, `b`: the plain max for `k = None`."""
+    high = max(a, b)
+    if k is None or high <= 0 or min(a, b) <= 0:
+        return high
+    return high * ((a / high) ** k + (b / high) ** k) ** (1.0 / k)
+
+
+def op_time(op: str, shape: MoEShape, flows: Traffic, num_sms: int, hardware: Hardware) -> OpTime:
+    """Predicted time of one dispatch (`op='dispatch'`) or combine on `num_sms` SMs."""
+    record_bytes = shape.dispatch_bytes if op == "dispatch" else shape.combine_bytes
+    sm_gbs, knee_k, epilogue_gbs, fixed_us = hardware.op_rates(op)
+    token_bytes = shape.num_tokens * record_bytes  # GB/s x 1e3 = bytes per microsecond
+    t_nvlink = token_bytes * flows.nvlink_records / (hardware.nvlink_gbs * 1e3)
+    t_rdma = token_bytes * flows.rdma_records / (hardware.rdma_gbs * 1e3) if flows.rdma_records > 0 else 0.0
+    t_link, link = (t_rdma, "rdma") if t_rdma > t_nvlink else (t_nvlink, "nvlink" if t_nvlink > 0 else "none")
+    t_sm = token_bytes * flows.sm_records / (max(1, num_sms) * sm_gbs * 1e3)
+    t_epilogue = token_bytes * flows.logical_records / (epilogue_gbs * 1e3) if epilogue_gbs else 0.0
+    total = smooth_max(t_link, t_sm, knee_k) + t_epilogue + fixed_us
+    return OpTime(total, t_link, t_sm, t_epilogue, fixed_us, link)
+
+
+def reference_num_sms(num_device_sms: int, prefer_overlap_with_compute: bool = True) -> int:
+    """The SM count the pick compares against: half the device (even) when SMs are left to compute."""
+    if not prefer_overlap_with_compute:
+        return num_device_sms
+    return max(min(2, num_device_sms), num_device_sms // 4 * 2)
+
+
+def pick_num_sms(shape: MoEShape, flows: Traffic, hardware: Hardware, prefer_overlap_with_compute: bool = True) -> int:
+    """The fewest even SMs whose predicted dispatch and combine times are both within `PICK_TOLERANCE`
+    of their times at `reference_num_sms` (at least 64 without `prefer_overlap_with_compute`)."""
+    num_device_sms = hardware.num_device_sms
+    if num_device_sms < 2:
+        return max(1, num_device_sms)
+    reference = reference_num_sms(num_device_sms, prefer_overlap_with_compute)
+    num_sms = 2
+    for op in ("dispatch", "combine"):
+        limit = (1 + PICK_TOLERANCE) * op_time(op, shape, flows, reference, hardware).total_us
+        op_sms = next(
+            (m for m in range(2, reference + 1, 2) if op_time(op, shape, flows, m, hardware).total_us <= limit),
+            reference,
         )
-        num_sms = max(2, 2 * math.ceil(needed / 2))
-    else:
-        num_sms = 2  # nothing crosses a link (one rank): the local copy needs few SMs
+        num_sms = max(num_sms, op_sms)
     if not prefer_overlap_with_compute:
         num_sms = max(num_sms, 64)
-    num_sms = min(num_sms, hardware.num_device_sms)
+    return min(num_sms, num_device_sms)
 
-    predicted_dispatch, _, bottleneck = times(shape.dispatch_bytes, num_sms)
-    predicted_combine, _, _ = times(shape.combine_bytes, num_sms)
-    if rdma_records == 0:
-        num_qps = 0
-    else:
-        num_qps = num_sms * 16 + 1 if mode == "hybrid" else min(num_sms, 8) + 1
+
+def theoretical_num_qps(num_sms: int, use_hybrid: bool) -> int:
+    """RDMA queue pairs for `num_sms` SMs (V2's rule): one per channel and peer plus one for counts
+    in hybrid mode (`16 num_sms + 1`), else `min(num_sms, 9)`."""
+    return num_sms * 16 + 1 if use_hybrid else min(num_sms, 8 + 1)
+
+
+def buffer_size_hint(
+    num_ranks: int,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int = 0,
+    use_fp8_dispatch: bool = False,
+    allow_hybrid_mode: bool = True,
+    allow_multiple_reduction: bool = True,
+    num_ranks_per_domain: int | None = None,
+) -> int:
+    """Buffer bytes per rank for the MoE shape (2 MiB aligned): the window layout of
+    `deep_ep.layout` with one slot per (source rank, token), plus one per (source domain, token)
+    when hybrid mode may run across domains (`num_ranks_per_domain < num_ranks`; a bound for a design
+    not built yet). A slot holds a dispatch record or a combine slot, whichever is larger;
+    `num_topk = 0` counts as 32 lanes."""
+    from .layout import max_slot_bytes, window_bytes
+
+    num_topk = num_topk if num_topk > 0 else 32
+    per_domain = num_ranks if num_ranks_per_domain is None else num_ranks_per_domain
+    num_slot_ranks = num_ranks
+    if allow_hybrid_mode and per_domain < num_ranks:
+        num_slot_ranks += num_ranks // per_domain
+    slot_bytes = max_slot_bytes(hidden, num_topk, use_fp8_dispatch, allow_multiple_reduction)
+    return window_bytes(num_slot_ranks, num_max_tokens_per_rank, slot_bytes)
+
+
+def _buffer_bytes(shape: MoEShape, num_ranks: int, num_domains: int, mode: str) -> tuple[int, int]:
+    """Window bytes per rank for this shape's dispatch records and combine slots alone."""
+    from .layout import CombineSlotLayout, DispatchRecordLayout, window_bytes
+
+    num_slot_ranks = num_ranks + (num_domains if mode == "hybrid" else 0)
+    hidden_bytes = shape.hidden if shape.fp8_dispatch else 2 * shape.hidden
+    scale_bytes = 4 * math.ceil(shape.hidden / 128) if shape.fp8_dispatch else 0
+    record = DispatchRecordLayout(hidden_bytes, scale_bytes, shape.num_topk).num_bytes
+    slot = CombineSlotLayout(shape.hidden, 1, shape.num_topk).num_bytes
+    return (
+        window_bytes(num_slot_ranks, shape.num_tokens, record),
+        window_bytes(num_slot_ranks, shape.num_tokens, slot),
+    )
+
+
+def plan(
+    shape: MoEShape,
+    num_ranks: int,
+    num_ranks_per_domain: int,
+    mode: str = "direct",
+    hardware: Hardware = HOPPER,
+    prefer_overlap_with_compute: bool = True,
+    num_sms: int | None = None,
+) -> Plan:
+    """Plan one mode for `shape` on `num_ranks` ranks in NVLink domains of `num_ranks_per_domain`.
+
+    Arguments:
+        shape: tokens per rank, hidden, top-k, experts, dispatch dtype.
+        num_ranks: `N`, ranks of the expert-parallel group.
+        num_ranks_per_domain: `S`, ranks that share one NVLink domain (GPUs per node).
+        mode: `'direct'` (every record straight to its rank) or `'hybrid'` (RDMA between domains to
+            the same local index, NVLink forwarding inside).
+        hardware: link rates and the calibrated rates of our kernels.
+        prefer_overlap_with_compute: compare against half the device's SMs; without it, use at least 64.
+        num_sms: predict for this SM count instead of picking one.
+
+    Returns:
+        The plan: SMs, QPs, buffer bytes, bottleneck link, predicted times and their link and SM terms.
+    """
+    flows = traffic(shape, num_ranks, num_ranks_per_domain, mode)
+    if num_sms is None:
+        num_sms = pick_num_sms(shape, flows, hardware, prefer_overlap_with_compute)
+    elif num_sms < 1:
+        raise ValueError(f"plan: `num_sms` must be positive, got {num_sms}")
+    dispatch = op_time("dispatch", shape, flows, num_sms, hardware)
+    combine = op_time("combine", shape, flows, num_sms, hardware)
+
+    # The bottleneck: the link that bounds the heavier direction, or the SMs if all of them cannot keep up
+    heavier = "combine" if combine.total_us >= dispatch.total_us else "dispatch"
+    at_all_sms = op_time(heavier, shape, flows, hardware.num_device_sms, hardware)
+    bottleneck = "sm" if at_all_sms.sm_us > at_all_sms.link_us else at_all_sms.link
+    num_qps = 0 if flows.rdma_records == 0 else theoretical_num_qps(num_sms, flows.mode == "hybrid")
+    dispatch_buffer, combine_buffer = _buffer_bytes(shape, num_ranks, num_ranks // num_ranks_per_domain, flows.mode)
     return Plan(
-        mode=mode,
+        mode=flows.mode,
         num_sms=num_sms,
         num_qps=num_qps,
-        dispatch_buffer_bytes=_buffer_bytes(shape.dispatch_bytes, shape.num_tokens, num_ranks, num_domains, mode),
-        combine_buffer_bytes=_buffer_bytes(shape.combine_bytes, shape.num_tokens, num_ranks, num_domains, mode),
+        dispatch_buffer_bytes=dispatch_buffer,
+        combine_buffer_bytes=combine_buffer,
         bottleneck=bottleneck,
-        predicted_dispatch_us=predicted_dispatch,
-        predicted_combine_us=predicted_combine,
-        nvlink_records_per_token=nvlink_records,
-        rdma_records_per_token=rdma_records,
+        predicted_dispatch_us=dispatch.total_us,
+        predicted_combine_us=combine.total_us,
+        nvlink_records_per_token=flows.nvlink_records,
+        rdma_records_per_token=flows.rdma_records,
+        dispatch_link_us=dispatch.link_us,
+        dispatch_sm_us=dispatch.sm_us,
+        combine_link_us=combine.link_us,
+        combine_sm_us=combine.sm_us,
     )
 
 
@@ -236,7 +404,7 @@ def _nvml_nvlink_gbs() -> float | None:
                 break
         # NVLink 4 (Hopper): 26.56 GB/s per link per direction, as `nvidia-smi nvlink -s` reports
         return num_links * 26.5625 if num_links else None
-    except pynvml.NVMLError:
+    except Exception:  # no driver, no device, an old NVML: the calibrated rate stands
         return None
 
 
@@ -251,16 +419,35 @@ def _infiniband_gbs() -> float | None:
     return max(rates) if rates else None
 
 
+@functools.cache
 def detect_hardware(num_device_sms: int | None = None) -> Hardware:
-    """HOPPER's calibrated SM rates with the link bandwidths of this machine where they can be read."""
+    """HOPPER's calibrated rates with the link bandwidths of this machine where they can be read
+    (the NVLink rate capped by the calibrated one); memoized."""
     nvlink = _nvml_nvlink_gbs()
     rdma = _infiniband_gbs()
-    return Hardware(
+    return replace(
+        HOPPER,
         nvlink_gbs=min(nvlink, HOPPER.nvlink_gbs) if nvlink else HOPPER.nvlink_gbs,
         rdma_gbs=rdma or HOPPER.rdma_gbs,
-        sm_read_gbs=HOPPER.sm_read_gbs,
-        sm_write_gbs=HOPPER.sm_write_gbs,
         num_device_sms=num_device_sms or HOPPER.num_device_sms,
-        fixed_us=HOPPER.fixed_us,
         source=HOPPER.source + (" ; nvlink from NVML" if nvlink else "") + (" ; rdma from sysfs" if rdma else ""),
     )
+
+
+def theoretical_num_sms(
+    num_tokens: int,
+    hidden: int,
+    num_topk: int,
+    num_experts: int,
+    use_fp8_dispatch: bool,
+    num_ranks: int,
+    num_ranks_per_domain: int,
+    use_hybrid: bool,
+    prefer_overlap_with_compute: bool = True,
+    num_device_sms: int | None = None,
+) -> int:
+    """The SM count `ElasticBuffer.get_theoretical_num_sms` returns: the plan's pick on this machine."""
+    shape = MoEShape(num_tokens, hidden, num_topk, num_experts, fp8_dispatch=use_fp8_dispatch)
+    mode = "hybrid" if use_hybrid else "direct"
+    hardware = detect_hardware(num_device_sms)
+    return plan(shape, num_ranks, num_ranks_per_domain, mode, hardware, prefer_overlap_with_compute).num_sms

@@ -1,32 +1,220 @@
-"""`deep-ep bench` on 2 CPU ranks (reference backend): checks, then prints the table and writes JSON and PNG."""
+"""`deep-ep bench`: on 2 CPU ranks (reference backend) it checks, prints the tables and writes JSON and PNG;
+its report (GPU rows with graph times: tables, planner and issue checks, plot) from synthetic rows."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import asdict
+
+import pytest
+
+from deep_ep.bench import cases, report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deep_ep.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)  # fmt: skip
 
 
 def test_bench_on_cpu_ranks_writes_table_json_and_plot(tmp_path):
     json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = subprocess.run(
-        [sys.executable, "-m", "deep_ep.cli", "bench", "--tokens", "64,16", "--iters", "2",
-         "--json", str(json_path), "--plot", str(plot_path)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+    result = _bench(tmp_path, "--tokens", "64,16", "--iters", "2", "--json", str(json_path), "--plot", str(plot_path))
     assert result.returncode == 0, result.stderr
     assert "dispatch us" in result.stdout and "torch d/c us" in result.stdout, result.stdout
+    assert "CUDA-graph replay: not measured" in result.stdout
     lines = [line for line in result.stdout.splitlines() if line.strip().startswith(("64 ", "16 "))]
     assert len(lines) == 2, result.stdout
+    assert all(line.split("|")[0].split()[-1].endswith("*") for line in lines)  # the planner's pick
 
     document = json.loads(json_path.read_text())
-    for key in ("commit", "command", "hardware", "date", "results"):
+    for key in ("commit", "command", "hardware", "date", "results", "checks", "planner_source"):
         assert key in document, key
     assert "CPU ranks" in document["hardware"]
+    assert document["planner_source"].startswith(("pre-calibration estimates", "calibrated"))
     assert [r["case"]["num_tokens"] for r in document["results"]] == [64, 16]
     for row in document["results"]:
-        assert row["backend"] == "ReferenceBackend"
-        for key in ("dispatch_us", "combine_us", "torch_dispatch_us", "torch_combine_us"):
+        assert row["backend"] == "ReferenceBackend" and row["num_sms_source"] == "planner"
+        assert row["num_sms"] == row["planner_num_sms"] > 0
+        for key in ("dispatch_us", "combine_us", "torch_dispatch_us", "torch_combine_us", "predicted_dispatch_us"):
             assert row[key] > 0, (key, row)
-        assert row["speed_of_light_gbs"] is None  # no NVLink on CPU ranks
-    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert row["speed_of_light_gbs"] is None and row["graph_dispatch_us"] is None  # no NVLink, no graphs
+    assert plot_path.read_bytes()[:8] == PNG
+
+
+def test_bench_options_dtype_routing_and_sweep(tmp_path):
+    json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = _bench(tmp_path, "--tokens", "16", "--iters", "1", "--dtype", "fp8,bf16", "--routing", "uniform,imbalanced",
+                    "--sms", "2", "--hot-fraction", "0.9", "--seed", "7", "--json", str(json_path), "--plot", str(plot_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    document = json.loads(json_path.read_text())
+    assert document["seed"] == 7 and document["hot_fraction"] == 0.9
+    got = [(r["case"]["fp8_dispatch"], r["case"]["routing"], r["num_sms_source"]) for r in document["results"]]
+    assert got == [(fp8, routing, source) for fp8 in (True, False) for routing in ("uniform", "imbalanced")
+                   for source in ("planner", "sweep")]  # fmt: skip
+    bf16 = [r for r in document["results"] if not r["case"]["fp8_dispatch"]]
+    assert all(r["dispatch_bytes"] == 1024 * 2 + 4 * 8 for r in bf16)  # BF16 data, top-k ids and weights
+    hot = [r for r in document["results"] if r["case"]["routing"] == "imbalanced"]
+    assert all(r["num_records"] > 0 for r in hot)
+    assert document["checks"]["planner_sm"] == []  # the reference backend ignores the SM count
+    assert plot_path.read_bytes()[:8] == PNG
+
+
+def test_bench_rejects_unknown_options(tmp_path):
+    result = _bench(tmp_path, "--dtype", "fp4")
+    assert result.returncode == 2 and "fp8, bf16" in result.stderr
+    with pytest.raises(ValueError, match="routing"):
+        cases.make_cases([16], None, ["fp8"], ["zipf"], 1024, 4, 32)
+
+
+# ------------------------------------------------------------------------------------------ GPU report
+
+
+def _gpu_rank_rows(rank: int) -> list[dict]:
+    """Per-rank rows as a 2-GPU run returns them: T=8192 with a sweep, T=128 with the planner's pick."""
+    rows = []
+    sol = 350.0
+    for tokens, sms in ((8192, (0, 16, 24, 32, 48, 64)), (128, (0,))):
+        for num_sms in sms:
+            used = num_sms or 48
+            case = cases.BenchCase(tokens, 7168, 8, 256, True, num_sms, "uniform")
+            records = 2 * tokens - 30
+            # Graph time: link-bound above 32 SMs (wire bytes at 90% of SoL), SM-bound below
+            wire_us = (records // 2) * 7456 / (0.9 * sol * 1e3)
+            graph_dispatch = max(wire_us, wire_us * 32 / used) + 20
+            graph_combine = 2 * graph_dispatch
+            if tokens == 128:
+                graph_dispatch, graph_combine = 12.0, 14.0
+            rows.append(dict(
+                case=asdict(case), num_sms=used, planner_num_sms=48, num_sms_source="planner" if num_sms == 0 else "sweep",
+                backend="NvlinkBackend", rank=rank, dispatch_us=1500.0 + rank, combine_us=700.0,
+                torch_dispatch_us=1100.0, torch_combine_us=1800.0, num_records=records, num_wire_records=records // 2,
+                dispatch_bytes=7456, combine_bytes=14336, graph_dispatch_us=graph_dispatch + rank,
+                graph_cached_dispatch_us=0.8 * graph_dispatch, graph_combine_us=graph_combine, graph_calls_per_replay=1,
+                graph_checked=True, predicted_dispatch_us=1.1 * graph_dispatch, predicted_combine_us=0.7 * graph_combine,
+                kernel_breakdown=dict(dispatch=dict(dispatch=8.0, dispatch_epilogue=4.0), combine={"error": "x"})
+                if (tokens == 128 and rank == 0) else None,
+            ))  # fmt: skip
+    return rows
+
+
+def test_gpu_report_tables_checks_json_and_plot(tmp_path):
+    meta = dict(speed_of_light_gbs=350.0, speed_of_light_by_sms={16: 250.0, 64: 340.0, 132: 350.0},
+                num_device_sms=132, planner_source="test rates")  # fmt: skip
+    rows = report.summarize([_gpu_rank_rows(0), _gpu_rank_rows(1)], meta)
+    pick = rows[0]
+    assert pick["graph_dispatch_us"] == max(
+        r["graph_dispatch_us"] for r in (_gpu_rank_rows(0)[0], _gpu_rank_rows(1)[0])
+    )
+    assert pick["graph_dispatch_wire_vs_sol"] == pytest.approx(pick["graph_dispatch_wire_gbs"] / 350.0)
+    assert pick["graph_dispatch_speedup_vs_torch"] == pytest.approx(1100.0 / pick["graph_dispatch_us"])
+    assert pick["predicted_combine_error"] == pytest.approx(-0.3)
+
+    found = report.checks(rows)
+    planner_sm = {c["op"]: c for c in found["planner_sm"]}
+    assert set(planner_sm) == {"dispatch", "combine"} and planner_sm["dispatch"]["acceptance"]
+    assert planner_sm["dispatch"]["smallest_95_sms"] == 32 and planner_sm["dispatch"]["pick_sms"] == 48
+    assert not planner_sm["dispatch"]["passed"]  # 48 > 1.25 x 32
+    predictions = {(c["case"], c["op"]): c for c in found["prediction"]}
+    assert predictions[("T=8192 fp8 uniform", "dispatch")]["passed"]
+    assert not predictions[("T=8192 fp8 uniform", "combine")]["passed"]  # -30%
+    targets = {t["target"]: t for t in found["targets"]}
+    assert targets["T=128 dispatch (graph, cached or no-sync)"]["passed"]
+    assert targets["T=8192 dispatch wire vs SoL, <= 24 SMs"]["num_sms"] == 24
+    assert targets["T=128 dispatch epilogue share (report)"]["value"] == pytest.approx(4.0 / 12.0)
+
+    text = report.format_report(rows, found, meta)
+    for expected in ("CUDA-graph replay", "fresh us", "planner's SM pick vs the sweep", "issue 6 targets",
+                     "kernel breakdown", "speed of light", "MISSED"):  # fmt: skip
+        assert expected in text, expected
+    graph_lines = [line for line in text.split("CUDA-graph replay")[1].splitlines() if line.strip().startswith("8192")]
+    assert len(graph_lines) == 6
+
+    class Config:
+        seed, num_iters, num_warmups, num_rotations, num_graph_rotations, num_graph_samples = 1, 2, 1, 2, 2, 3
+        hot_fraction = 0.5
+
+    json_path, plot_path = tmp_path / "gpu.json", tmp_path / "gpu.png"
+    report.write_json(str(json_path), rows, found, meta, Config(), "deep-ep bench --test", "2x test GPU")
+    document = json.loads(json_path.read_text())
+    assert document["command"] == "deep-ep bench --test" and document["speed_of_light_by_sms"]["64"] == 340.0
+    report.plot(rows, str(plot_path), meta)
+    assert plot_path.read_bytes()[:8] == PNG
+
+
+# ------------------------------------------------------------------------------------------ graph plumbing
+
+
+def _graph_path_rank(rank: int, num_ranks: int, fp8: bool) -> dict:
+    """`runner._graph_times` on CPU ranks with graphs faked (every call runs eagerly at "capture")."""
+    import torch.distributed as dist
+
+    import deep_ep
+    from deep_ep.bench import runner, timing
+
+    class EagerOp(timing.CapturedOp):
+        def replay_first(self):
+            return self.outputs[0][0]
+
+    captured = []
+
+    def eager_capture(call, num_inputs, calls_per_graph):
+        captured.append((num_inputs, calls_per_graph))
+        return EagerOp([None] * num_inputs, [[call(r) for _ in range(calls_per_graph)] for r in range(num_inputs)],
+                       calls_per_graph)  # fmt: skip
+
+    runner.capture = eager_capture
+    runner.agree_on_replays = lambda op, align, group: 4
+    runner.time_graphs = lambda op, num_replays, num_samples, align: 1e-5 * num_replays
+    group = dist.group.WORLD
+    case = cases.BenchCase(16, 256, 4, 8, fp8, 0, "imbalanced")
+    config = cases.BenchConfig([case], num_ranks, "cpu", num_warmups=1, num_iters=1, seed=3)
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=16, hidden=256, num_topk=4, use_fp8_dispatch=fp8,
+                                   explicitly_destroy=True)  # fmt: skip
+    try:
+        state = runner._key_state(case, buffer, rank, num_ranks, config, group, lambda: dist.barrier(group=group))
+        result = runner._graph_times(case, buffer, state, 4, config, group, lambda: None)
+    finally:
+        buffer.destroy()
+    return dict(result, captured=captured, num_recv=state.num_recv)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_graph_path_checks_no_sync_cached_and_combine_outputs_against_the_reference(fp8):
+    from deep_ep.utils.spawn import spawn_ranks
+
+    for result in spawn_ranks(_graph_path_rank, 2, args=(fp8,), timeout_s=120):
+        assert result["graph_checked"] and result["num_recv"] > 0
+        assert result["captured"] == [(2, 8)] * 3  # fresh, cached, combine; 2 input sets; 8 calls (T=16)
+        assert result["graph_dispatch_us"] == pytest.approx(40.0) and result["graph_calls_per_replay"] == 8
+
+
+def test_the_checks_compare_the_real_rows_bitwise_and_name_what_differs():
+    import torch
+
+    from deep_ep.bench.runner import check_combine, check_dispatch
+
+    class Handle:
+        def __init__(self, psum):
+            self.psum_num_recv_tokens_per_scaleup_rank = torch.tensor(psum, dtype=torch.int32)
+            self.num_unaligned_recv_tokens_per_expert = torch.tensor([3, 1], dtype=torch.int32)
+
+    data = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    scales, idx, weights = torch.rand(4, 1), torch.arange(8).reshape(4, 2), torch.rand(4, 2)
+    ref = ((data, scales), idx, weights, Handle([2, 3]))
+    padded = (tuple(torch.cat([t, t[:2]]) for t in (data, scales)), torch.cat([idx, -idx[:2]]), torch.cat([weights, weights[:2]]),
+              Handle([2, 3]))  # fmt: skip
+    check_dispatch(padded, ref, 3, "worst-case rows past the real ones are ignored")
+    wrong = ((data, scales * 2), idx, weights, Handle([2, 3]))
+    with pytest.raises(AssertionError, match="recv_x differs"):
+        check_dispatch(wrong, ref, 3, "x")
+    check_dispatch(((data, scales), None, None, None), ref, 3, "cached: recv_x only", full=False)
+    with pytest.raises(AssertionError, match="recv_topk_idx differs"):
+        check_dispatch(((data, scales), idx + 1, weights, Handle([2, 3])), ref, 3, "x")
+    with pytest.raises(AssertionError, match="psum_num_recv_tokens_per_scaleup_rank"):
+        check_dispatch(((data, scales), idx, weights, Handle([2, 4])), ref, 3, "x")
+    with pytest.raises(AssertionError, match="combine differs"):
+        check_combine(torch.ones(2), torch.zeros(2), "x")

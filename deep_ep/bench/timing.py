@@ -1,0 +1,178 @@
+"""Timing: eager calls (CUDA events or the host clock), CUDA-graph replays, and a kernel breakdown.
+
+Eager timing is the median over iterations, each aligned across ranks by a barrier, inputs rotated.
+Graph timing is the device time of a whole call: one graph per input set (rotated), each holding
+`calls_per_graph` back-to-back calls, replayed many times between two CUDA events after a barrier;
+the per-call time is the elapsed time over the number of calls, median over samples.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# A graph timing sample lasts about this long (the replay count adapts to the call's duration)
+GRAPH_SAMPLE_S = 0.02
+MIN_REPLAYS, MAX_REPLAYS = 3, 400
+
+
+def time_eager(
+    fn: Callable[[Any], Any],
+    inputs: Sequence[Any],
+    num_warmups: int,
+    num_iters: int,
+    align: Callable[[], None],
+    device: str,
+) -> float:
+    """Median seconds of `fn(input)`, inputs rotated, every iteration barrier-aligned across ranks."""
+    samples = []
+    for i in range(num_warmups + num_iters):
+        align()
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(inputs[i % len(inputs)])
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            started = time.perf_counter()
+            fn(inputs[i % len(inputs)])
+            elapsed = time.perf_counter() - started
+        if i >= num_warmups:
+            samples.append(elapsed)
+    return statistics.median(samples)
+
+
+@dataclass
+class CapturedOp:
+    """CUDA graphs of one operation: one per input set, each with `calls_per_graph` calls.
+
+    Attributes:
+        graphs: the graphs, one per input set.
+        outputs: `outputs[r][i]` is what call `i` of graph `r` returned at capture (the tensors
+            every replay writes).
+        calls_per_graph: calls captured back to back in each graph.
+    """
+
+    graphs: list[Any]
+    outputs: list[list[Any]]
+    calls_per_graph: int
+    replays_used: int = field(default=0)
+
+    def replay_first(self) -> Any:
+        """Replay graph 0 once, wait for it, and return the outputs of its first call."""
+        self.graphs[0].replay()
+        torch.cuda.synchronize()
+        return self.outputs[0][0]
+
+    def release(self) -> None:
+        """Drop the graphs and their outputs (their memory pools go back to the allocator)."""
+        self.graphs.clear()
+        self.outputs.clear()
+
+
+def capture(call: Callable[[int], Any], num_inputs: int, calls_per_graph: int) -> CapturedOp:
+    """Capture `call(r)` for every input set `r` (collective: every rank captures the same calls).
+
+    One warm-up call runs first, outside capture, on a side stream: kernels load and the allocator
+    settles before capture. Each graph is captured on a side stream (`torch.cuda.graph`).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(0)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs, outputs = [], []
+    for r in range(num_inputs):
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: API calls of other threads (the NCCL watchdog's event queries) cannot invalidate it
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            outputs.append([call(r) for _ in range(calls_per_graph)])
+        graphs.append(graph)
+    torch.cuda.synchronize()
+    return CapturedOp(graphs, outputs, calls_per_graph)
+
+
+def _replay(op: CapturedOp, num_replays: int) -> float:
+    """Seconds for `num_replays` back-to-back replays (graphs rotated), between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(num_replays):
+        op.graphs[i % len(op.graphs)].replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def agree_on_replays(op: CapturedOp, align: Callable[[], None], group: Any) -> int:
+    """Warm `op` up and return the replay count every rank uses for one sample (about
+    `GRAPH_SAMPLE_S`, a power of two): rank 0's estimate, broadcast, since the calls are collective
+    and every rank must replay them equally often."""
+    import torch.distributed as dist
+
+    align()
+    warm = _replay(op, MIN_REPLAYS) / MIN_REPLAYS
+    wanted = max(MIN_REPLAYS, min(MAX_REPLAYS, GRAPH_SAMPLE_S / max(warm, 1e-7)))
+    count = torch.tensor([2 ** round(math.log2(wanted))], dtype=torch.int64, device="cuda")
+    dist.broadcast(count, src=0, group=group)
+    return int(count.item())
+
+
+def time_graphs(op: CapturedOp, num_replays: int, num_samples: int, align: Callable[[], None]) -> float:
+    """Median seconds per call over `num_samples` barrier-aligned samples of `num_replays`
+    back-to-back replays (the same count on every rank: see `agree_on_replays`)."""
+    op.replays_used = num_replays
+    samples = []
+    for _ in range(num_samples):
+        align()
+        samples.append(_replay(op, num_replays) / (num_replays * op.calls_per_graph))
+    return statistics.median(samples)
+
+
+_KERNEL_NAME = re.compile(r"deep_ep::(\w+?)_impl")
+
+
+def short_kernel_name(name: str) -> str:
+    """`void deep_ep::dispatch_epilogue_impl<...>(...)` -> `dispatch_epilogue`; others shortened."""
+    found = _KERNEL_NAME.search(name)
+    if found:
+        return found.group(1)
+    return name.split("(")[0].replace("void ", "")[:48]
+
+
+def kernel_breakdown(op: CapturedOp, num_replays: int, align: Callable[[], None]) -> dict[str, float]:
+    """Device microseconds per call of every kernel in `op`'s graphs, from the torch profiler.
+
+    Returns `{short kernel name: us per call}`, or `{"error": message}` when the profiler fails
+    (the benchmark never fails for the breakdown's sake).
+    """
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        align()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(num_replays):
+                op.graphs[i % len(op.graphs)].replay()
+            torch.cuda.synchronize()
+        num_calls = num_replays * op.calls_per_graph
+        totals: dict[str, float] = {}
+        for event in prof.key_averages():
+            if getattr(event.device_type, "name", "") != "CUDA":
+                continue
+            device_us = getattr(event, "device_time_total", None)
+            if device_us is None:
+                device_us = getattr(event, "cuda_time_total", 0.0)
+            name = short_kernel_name(event.key)
+            totals[name] = totals.get(name, 0.0) + device_us / num_calls
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+    except Exception as error:  # the profiler is optional
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
