@@ -88,15 +88,18 @@ def test_the_pick_is_the_fewest_even_sms_within_the_tolerance_of_half_the_device
 
 @pytest.mark.parametrize("num_tokens", [8192, 4096])
 def test_the_pick_meets_issue_5s_sweep_criterion_on_the_model_itself(num_tokens):
-    # If the hardware behaved exactly like the model, the SM sweep of `deep-ep bench` would accept the pick
+    # If the hardware behaved exactly like the model, the pick would reach 95% of the sweep's best in
+    # both directions, with at most 1.25x the SMs the more demanding direction needs for that (one SM
+    # count serves both; the model's dispatch knee sits a little earlier than the measured one)
     shape = replace(DSV3, num_tokens=num_tokens)
     pick = plan(shape, 2, 2)
+    smallest = {}
     for op in ("dispatch", "combine"):
         times = {m: getattr(plan(shape, 2, 2, num_sms=m), f"predicted_{op}_us") for m in SWEEP}
         best = min(times.values())
-        smallest = min(m for m in SWEEP if best / times[m] >= 0.95)
+        smallest[op] = min(m for m in SWEEP if best / times[m] >= 0.95)
         assert best / getattr(pick, f"predicted_{op}_us") >= 0.95
-        assert pick.num_sms <= 1.25 * smallest
+    assert pick.num_sms <= 1.25 * max(smallest.values())
 
 
 def test_more_tokens_never_predict_less_time_nor_fewer_buffer_bytes():

@@ -12,8 +12,12 @@ On every local GPU (one rank each, NCCL, the NVLink kernels), through the public
 Then, per direction (`fit_op`), with `t_link` = wire bytes / NVLink rate:
 
 - the per-SM rate `r` and the knee exponent `k` minimize the squared relative error of
-  `smooth_max_k(t_link, SM bytes / (m r)) + c_T` over the points with T >= 1024 (where the SMs or the
-  link are the limit), with one free offset `c_T` per token count;
+  `smooth_max_k(t_link, SM bytes / (m r)) + c_T` over the points with T >= 1024 and m >= 8 (where
+  the SMs or the link are the limit and where a pick can land), with one free offset `c_T` per
+  token count. Below 8 SMs our kernels are plainly SM-bound; fitting those points too forces a
+  sharp knee (k = 8 or a plain max) that misses how slowly the time approaches the link's near the
+  pick (the link rate itself still grows with SMs: our probe moves 329 GB/s on 8 SMs, 348 on 132),
+  and the pick then lands on too few SMs (10 instead of 16-20 on the 2x H200 of 2026-11-30);
 - `c_T` (the time that does not depend on m) at every T, then `c_T = logical bytes / e + t_fixed` by
   least squares: the epilogue rate `e` and the fixed cost `t_fixed`.
 
@@ -39,6 +43,7 @@ TOKENS = (8192, 4096, 1024, 128)
 SMS = (2, 4, 8, 12, 16, 20, 24, 32, 48, 64, 96)  # and all of the device's
 KNEE_KS: tuple[float | None, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, None)
 BANDWIDTH_MIN_TOKENS = 1024
+BANDWIDTH_MIN_SMS = 8
 NOMINAL_RDMA_GBS = 50.0  # one 400 Gb/s NIC per GPU; no NIC on our machine to measure
 _GRID = 400
 
@@ -197,7 +202,9 @@ def fit_epilogue(offsets: dict[int, tuple[float, float]]) -> tuple[float | None,
 
 def fit_op(points: list[dict], nvlink_gbs: float) -> dict:
     """Fit one direction's rates (see the module docstring) from its graph-time points."""
-    bandwidth = [p for p in points if p["num_tokens"] >= BANDWIDTH_MIN_TOKENS] or points
+    bandwidth = [
+        p for p in points if p["num_tokens"] >= BANDWIDTH_MIN_TOKENS and p["num_sms"] >= BANDWIDTH_MIN_SMS
+    ] or points
     if len({p["num_sms"] for p in bandwidth}) < 2:
         raise ValueError("calibrate: the fit needs points at two or more SM counts")
     guess = max(p["sm_bytes"] / (p["num_sms"] * p["us"] * 1e3) for p in bandwidth)
