@@ -106,6 +106,9 @@ def hardware_from_document(document: dict[str, Any]) -> Hardware:
         f"{document['status']}: {provenance['machine']}, {provenance['date']}, commit {provenance['commit'][:12]}, "
         f"`{provenance['command']}`"
     )
+    if "refit" in provenance:
+        refit = provenance["refit"]
+        source += f"; refit {refit['date']}, commit {refit['commit'][:12]}, `{refit['command']}`"
     names = [f.name for f in fields(Hardware) if f.name != "source"]
     missing = [name for name in names if name not in values]
     if missing:
