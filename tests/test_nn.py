@@ -13,16 +13,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from nn_reference import ExpertMLP, assert_rounded_close, dense_moe, fresh_seed, route, suite_worker
 from torch import nn
 
 import deep_ep
 from deep_ep import nn as epnn
 from deep_ep.utils.spawn import spawn_ranks
-
-try:
-    from nn_reference import ExpertMLP, assert_rounded_close, dense_moe, fresh_seed, route, suite_worker
-except ImportError:  # tests/ collected as a package
-    from tests.nn_reference import ExpertMLP, assert_rounded_close, dense_moe, fresh_seed, route, suite_worker
 
 # Dispatch layouts of the adjoint check: (do_expand, do_cpu_sync, expert_alignment)
 MODES = [(False, True, 1), (False, False, 1), (True, True, 1), (True, True, 4), (True, False, 4)]

@@ -10,13 +10,9 @@ import os
 
 import pytest
 import torch
+from nn_reference import fresh_seed, suite_worker
 
 from deep_ep.utils.spawn import spawn_ranks
-
-try:
-    from nn_reference import fresh_seed, suite_worker
-except ImportError:  # tests/ collected as a package
-    from tests.nn_reference import fresh_seed, suite_worker
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,35 +21,20 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from compat_helpers import (
+    BACKENDS,
+    assert_equal,
+    check_backend,
+    device_of_group,
+    expected_moe,
+    expected_weight_grads,
+    make_diag,
+    make_inputs,
+    run_pattern,
+    signed_ints,
+)
 
 import deep_ep
-
-try:
-    from compat_helpers import (
-        BACKENDS,
-        assert_equal,
-        check_backend,
-        device_of_group,
-        expected_moe,
-        expected_weight_grads,
-        make_diag,
-        make_inputs,
-        run_pattern,
-        signed_ints,
-    )
-except ImportError:  # tests/ collected as a package
-    from tests.compat.compat_helpers import (
-        BACKENDS,
-        assert_equal,
-        check_backend,
-        device_of_group,
-        expected_moe,
-        expected_weight_grads,
-        make_diag,
-        make_inputs,
-        run_pattern,
-        signed_ints,
-    )
 
 
 def _megatron_topk(weights: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:

@@ -28,40 +28,23 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from compat_helpers import (
+    BACKENDS,
+    RankInputs,
+    assert_equal,
+    check_backend,
+    dequantize,
+    device_of_group,
+    expected_moe,
+    make_diag,
+    make_fp8,
+    make_inputs,
+    run_pattern,
+    tma_col_major,
+)
 
 import deep_ep
 from deep_ep.utils.math import align
-
-try:
-    from compat_helpers import (
-        BACKENDS,
-        RankInputs,
-        assert_equal,
-        check_backend,
-        dequantize,
-        device_of_group,
-        expected_moe,
-        make_diag,
-        make_fp8,
-        make_inputs,
-        run_pattern,
-        tma_col_major,
-    )
-except ImportError:  # tests/ collected as a package
-    from tests.compat.compat_helpers import (
-        BACKENDS,
-        RankInputs,
-        assert_equal,
-        check_backend,
-        dequantize,
-        device_of_group,
-        expected_moe,
-        make_diag,
-        make_fp8,
-        make_inputs,
-        run_pattern,
-        tma_col_major,
-    )
 
 EXPERT_ALIGNMENT = 128  # DeepGEMM's block (the runner capability's `expert_alignment`)
 

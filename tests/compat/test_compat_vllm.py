@@ -27,35 +27,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from compat_helpers import (
+    BACKENDS,
+    assert_equal,
+    check_backend,
+    dequantize,
+    device_of_group,
+    expected_moe,
+    make_diag,
+    make_fp8,
+    make_inputs,
+    run_pattern,
+)
 
 import deep_ep
-
-try:
-    from compat_helpers import (
-        BACKENDS,
-        assert_equal,
-        check_backend,
-        dequantize,
-        device_of_group,
-        expected_moe,
-        make_diag,
-        make_fp8,
-        make_inputs,
-        run_pattern,
-    )
-except ImportError:  # tests/ collected as a package
-    from tests.compat.compat_helpers import (
-        BACKENDS,
-        assert_equal,
-        check_backend,
-        dequantize,
-        device_of_group,
-        expected_moe,
-        make_diag,
-        make_fp8,
-        make_inputs,
-        run_pattern,
-    )
 
 
 def _make_buffer(shape: dict[str, int], use_fp8_dispatch: bool) -> tuple[deep_ep.ElasticBuffer, int]:
