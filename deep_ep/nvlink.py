@@ -4,8 +4,8 @@ One `NvlinkRuntime` per `ElasticBuffer` on a single NVLink domain. It owns the c
 device communicator, the symmetric window and the host-mapped error and count blocks, and runs
 dispatch and combine as a fixed sequence of kernels on the stream it is given:
 
-    dispatch: layout -> dispatch (NVLink) -> count -> [host waits for counts] -> epilogue
-    cached dispatch: dispatch (NVLink) -> epilogue            (layout and counts from the handle)
+    dispatch: dispatch (layout + NVLink + counts) -> [expand ranks] -> [host waits for counts] -> epilogue
+    cached dispatch: dispatch (NVLink) -> epilogue            (slots and counts from the handle)
     combine:  combine (NVLink) -> combine epilogue
 
 Without CPU sync nothing waits on the host, so the sequence can be captured in a CUDA graph.
@@ -99,10 +99,12 @@ class NvlinkRuntime:
             )
         self.window = SymmetricWindow(self.comm, num_bytes)
         self.error_block = torch.zeros(len(ERROR_WORDS) + 1, dtype=torch.int64, pin_memory=True)
-        # Received counts per source rank, then per local expert: the count kernel fills the device
-        # copy, a D2H copy brings them to pinned memory (device reads of host memory are slow)
-        self.device_counts = torch.zeros(MAX_RANKS + MAX_LOCAL_EXPERTS, dtype=torch.int32, device="cuda")
-        self.host_counts = torch.zeros(MAX_RANKS + MAX_LOCAL_EXPERTS, dtype=torch.int32, pin_memory=True)
+        # Received counts per source rank, then per local expert, then the invalid-input flag: the
+        # dispatch kernel fills the device copy, a D2H copy brings them to pinned memory (device reads
+        # of host memory are slow)
+        num_count_words = MAX_RANKS + MAX_LOCAL_EXPERTS + 1
+        self.device_counts = torch.zeros(num_count_words, dtype=torch.int32, device="cuda")
+        self.host_counts = torch.zeros(num_count_words, dtype=torch.int32, pin_memory=True)
         self.dispatch_scratch = torch.zeros(DISPATCH_SCRATCH_INTS, dtype=torch.int32, device="cuda")
         self._expand_scratch: torch.Tensor | None = None
         self.dead_reason: str | None = None
@@ -294,7 +296,8 @@ class NvlinkRuntime:
         psum_expert = torch.empty(num_local_experts, dtype=torch.int32, device=device)
 
         epilogue_args = kernels.DispatchEpilogueArgs(
-            window_base=self.window.ptr, x=_ptr(x), x_scales=_ptr(x_scales), num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
+            window_base=self.window.ptr, x=_ptr(x), x_scales=_ptr(x_scales),
+            num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
             num_experts_per_rank=num_local_experts, expert_alignment=expert_alignment, num_out_rows=num_out_rows,
             scale_col_stride=scale_col_stride, recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
             recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
