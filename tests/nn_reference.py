@@ -282,6 +282,7 @@ def adjoint_worker(rank: int, num_ranks: int, seed: int, setup: dict[str, Any]) 
             token_counts = torch.randint(0, setup["num_max_tokens"] + 1, (num_ranks,), generator=shared_gen)
             if mode_idx == 0:
                 token_counts[num_ranks - 1] = 0  # a rank without tokens
+            token_counts[0] = max(1, int(token_counts[0]))  # but some tokens in all, or no gradient to check
             num_tokens = int(token_counts[rank])
             topk_idx, _ = uniform_routing(num_tokens, num_experts, num_topk, masked_ratio=0.2, generator=gen)
             topk_idx = topk_idx.to(device)
@@ -436,6 +437,7 @@ def moe_worker(rank: int, num_ranks: int, seed: int, setup: dict[str, Any]) -> l
                 counts = torch.randint(0, setup["num_max_tokens"] + 1, (num_ranks,), generator=gen)
                 if cfg.get("empty_rank"):
                     counts[num_ranks - 1] = 0
+                counts[0] = max(1, int(counts[0]))  # some tokens in all
                 inputs.append([torch.randn((int(n), hidden), generator=gen).to(device, dtype) for n in counts])
                 probes.append([torch.randn((int(n), hidden), generator=gen).to(device) for n in counts])
 
