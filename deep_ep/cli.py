@@ -335,6 +335,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config.graphs = config.graphs and not args.no_graphs
     config.breakdown = args.breakdown
     config.hot_fraction = args.hot_fraction
+    if config.device == "cuda":
+        from deep_ep.jit import compile_many
+
+        print("deep-ep bench: compiling the kernels (cached ones load at once)", file=sys.stderr)
+        compile_many(cases.kernel_specs(config), progress=True)
     runner.run(config, json_path=args.json, plot_path=args.plot, command=" ".join(["deep-ep", *sys.argv[1:]]))
     return 0
 

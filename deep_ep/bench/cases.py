@@ -159,3 +159,15 @@ def records_per_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -
     """Tokens this rank sends to each rank (a token hitting several experts of a rank counts once)."""
     owner = torch.where(topk_idx >= 0, topk_idx // (num_experts // num_ranks), -1)
     return torch.stack([(owner == d).any(dim=1) for d in range(num_ranks)]).sum(dim=1).tolist()
+
+
+def kernel_specs(config: BenchConfig) -> list:
+    """The NVLink kernels `config`'s cases use on `config.num_ranks` GPUs, and the speed-of-light probe:
+    `deep-ep bench` compiles them up front (in parallel, with a progress bar) instead of inside the ranks."""
+    from .. import kernels
+
+    specs = [kernels.peer_store_spec()]
+    for case in config.cases:
+        fp8_scale_bytes = ((case.hidden + 127) // 128 * 4,) if case.fp8_dispatch else ()
+        specs += kernels.moe_specs(config.num_ranks, case.hidden, case.num_topk, case.num_experts, fp8_scale_bytes)
+    return list(dict.fromkeys(specs))
