@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deep_ep import planner
 from deep_ep.backend import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend
 from deep_ep.errors import EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
@@ -223,6 +224,7 @@ class ElasticBuffer:
             num_gpu_timeout_secs=num_gpu_timeout_secs,
         )
         self._failure: str | None = None
+        self._theoretical_num_sms: dict[tuple[int, int], int] = {}
         self.backend: EPBackend | None = backend_class(group, config)
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._ctx = ValidationContext(
@@ -265,6 +267,35 @@ class ElasticBuffer:
         except EPTimeoutError as error:
             self._failure = str(error)
             raise
+
+    def _communicate(
+        self,
+        op: str,
+        run: Callable[[], tuple[Any, tuple, tuple]],
+        previous_event: EventHandle | None,
+        previous_event_before_epilogue: EventHandle | None,
+        async_with_compute_stream: Any,
+        allocate_on_comm_stream: Any,
+    ) -> tuple[Any, EventOverlap]:
+        """Run `run` on the communication stream (V2's stream choreography, `CommStreamScope`).
+
+        `run` returns `(value, inputs, outputs)`: the input and output tensors are kept alive on the
+        streams that use them. Returns `value` and the event that marks the end of the communication.
+        """
+        scope = CommStreamScope(
+            self._comm_stream,
+            previous_event,
+            previous_event_before_epilogue,
+            as_bool(op, "async_with_compute_stream", async_with_compute_stream),
+            as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream),
+        )
+        try:
+            value, inputs, outputs = self._run(run)
+            event = scope.finish(inputs, outputs)
+        except BaseException:
+            scope.abort()
+            raise
+        return value, EventOverlap(event)
 
     def destroy(self) -> None:
         """Release the backend's resources (V2: needs `explicitly_destroy=True`); calling it again is a no-op."""
@@ -329,9 +360,7 @@ class ElasticBuffer:
         Returns:
             num_sms: the SM count, at most the device's (132 SMs are assumed without CUDA).
         """
-        from deep_ep import planner
-
-        cache = self.__dict__.setdefault("_theoretical_num_sms", {})
+        cache = self._theoretical_num_sms
         key = (num_experts, num_topk)
         if key not in cache:
             num_device_sms = None
@@ -364,8 +393,6 @@ class ElasticBuffer:
         Returns:
             num_qps: `num_sms * 16 + 1` in hybrid mode across domains, else `min(num_sms, 9)`.
         """
-        from deep_ep import planner
-
         use_hybrid = self.allow_hybrid_mode and self.num_scaleout_ranks > 1
         return min(planner.theoretical_num_qps(num_sms, use_hybrid), self.num_allocated_qps)
 
@@ -494,19 +521,12 @@ class ElasticBuffer:
             use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
         )
         do_handle_copy = as_bool("dispatch", "do_handle_copy", do_handle_copy)
-        async_with_compute_stream = as_bool("dispatch", "async_with_compute_stream", async_with_compute_stream)
-        allocate_on_comm_stream = as_bool("dispatch", "allocate_on_comm_stream", allocate_on_comm_stream)
-        scope = CommStreamScope(
-            self._comm_stream,
-            previous_event,
-            previous_event_before_epilogue,
-            async_with_compute_stream,
-            allocate_on_comm_stream,
-        )
-        try:
-            result = self._run(lambda: backend.dispatch(request))
-            if handle is None:
-                handle = EPHandle(
+
+        def run() -> tuple[Any, tuple, tuple]:
+            result = backend.dispatch(request)
+            out_handle = handle
+            if out_handle is None:
+                out_handle = EPHandle(
                     do_expand=request.do_expand,
                     num_experts=request.num_experts,
                     expert_alignment=request.expert_alignment,
@@ -537,16 +557,19 @@ class ElasticBuffer:
                 request.cumulative_local_expert_recv_stats,
             )
             outputs = (
-                result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights, handle.topk_idx,
-                handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
-                handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata, handle.dst_buffer_slot_idx,
+                result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights, out_handle.topk_idx,
+                out_handle.psum_num_recv_tokens_per_scaleup_rank, out_handle.psum_num_recv_tokens_per_expert,
+                out_handle.num_unaligned_recv_tokens_per_expert, out_handle.recv_src_metadata,
+                out_handle.dst_buffer_slot_idx,
             )  # fmt: skip
-            event = scope.finish(inputs, outputs)
-        except BaseException:
-            scope.abort()
-            raise
+            return (result, out_handle), inputs, outputs
+
+        (result, handle), event = self._communicate(
+            "dispatch", run, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+            allocate_on_comm_stream,
+        )  # fmt: skip
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
-        return recv_x, result.recv_topk_idx, result.recv_topk_weights, handle, EventOverlap(event)
+        return recv_x, result.recv_topk_idx, result.recv_topk_weights, handle, event
 
     def combine(
         self,
@@ -596,20 +619,14 @@ class ElasticBuffer:
             async_with_compute_stream=async_with_compute_stream,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )
-        async_with_compute_stream = as_bool("combine", "async_with_compute_stream", async_with_compute_stream)
-        allocate_on_comm_stream = as_bool("combine", "allocate_on_comm_stream", allocate_on_comm_stream)
-        scope = CommStreamScope(
-            self._comm_stream,
-            previous_event,
-            previous_event_before_epilogue,
-            async_with_compute_stream,
-            allocate_on_comm_stream,
-        )
-        try:
-            result = self._run(lambda: backend.combine(request))
+
+        def run() -> tuple[Any, tuple, tuple]:
+            result = backend.combine(request)
             inputs = (request.x, request.topk_weights, request.bias_0, request.bias_1)
-            event = scope.finish(inputs, (result.combined_x, result.combined_topk_weights))
-        except BaseException:
-            scope.abort()
-            raise
-        return result.combined_x, result.combined_topk_weights, EventOverlap(event)
+            return result, inputs, (result.combined_x, result.combined_topk_weights)
+
+        result, event = self._communicate(
+            "combine", run, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+            allocate_on_comm_stream,
+        )  # fmt: skip
+        return result.combined_x, result.combined_topk_weights, event
