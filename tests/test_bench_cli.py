@@ -141,8 +141,9 @@ def test_gpu_report_tables_checks_json_and_plot(tmp_path):
     report.write_json(str(json_path), rows, found, meta, Config(), "deep-ep bench --test", "2x test GPU")
     document = json.loads(json_path.read_text())
     assert document["command"] == "deep-ep bench --test" and document["speed_of_light_by_sms"]["64"] == 340.0
-    report.plot(rows, str(plot_path), meta)
+    report.plot(rows, str(plot_path), meta, report.provenance("deep-ep bench --test", "2x test GPU"))
     assert plot_path.read_bytes()[:8] == PNG
+    assert b"deep-ep bench --test" in plot_path.read_bytes()  # provenance in the PNG's text chunk
 
 
 # ------------------------------------------------------------------------------------------ graph plumbing

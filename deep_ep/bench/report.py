@@ -372,6 +372,13 @@ def hardware_name(device: str, num_ranks: int) -> str:
     return f"{num_ranks} CPU ranks (gloo) on {platform.processor() or platform.machine()}"
 
 
+def provenance(command: str | None, hardware: str) -> str:
+    """One line naming what a result measured: commit, command, hardware and date."""
+    import sys
+
+    return f"commit {git_commit()[:12]}, `{command or ' '.join(sys.argv)}`, {hardware}, {utc_now()}"
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -392,9 +399,10 @@ def write_json(path: str, rows: list[dict], found: dict, meta: dict, config: Ben
     Path(path).write_text(json.dumps(document, indent=2) + "\n")
 
 
-def plot(rows: list[dict], path: str, meta: dict) -> None:
+def plot(rows: list[dict], path: str, meta: dict, provenance: str | None = None) -> None:
     """Wire GB/s vs tokens (the planner's picks), and dispatch / combine wire GB/s vs SMs (sweeps, the
-    planner's pick starred, the peer-store probe for reference); graph times where measured."""
+    planner's pick starred, the peer-store probe for reference); graph times where measured.
+    `provenance` (commit, command, hardware, date) goes into the figure and the PNG's metadata."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -444,6 +452,8 @@ def plot(rows: list[dict], path: str, meta: dict) -> None:
     by_tokens.set_title(f"planner's pick ({'graph' if graph else 'eager'} time)")
     by_tokens.set_xlabel("tokens per rank")
     by_tokens.set_xscale("log", base=2)
+    if provenance:
+        fig.suptitle(provenance, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Description": provenance} if provenance else None)
     plt.close(fig)

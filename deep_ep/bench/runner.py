@@ -383,5 +383,5 @@ def run(config: BenchConfig, json_path: str | None = None, plot_path: str | None
     if json_path:
         report.write_json(json_path, rows, checks, per_rank[0]["meta"], config, command, hardware)
     if plot_path:
-        report.plot(rows, plot_path, per_rank[0]["meta"])
+        report.plot(rows, plot_path, per_rank[0]["meta"], report.provenance(command, hardware))
     return rows
