@@ -38,6 +38,9 @@ class DispatchArgs(ctypes.Structure):
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("rank", ctypes.c_int),
         ("num_experts_per_rank", ctypes.c_int),
+        ("tokens_per_group", ctypes.c_int),
+        ("tokens_per_task", ctypes.c_int),
+        ("arrival_block", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
     ]
@@ -67,6 +70,10 @@ class DispatchEpilogueArgs(ctypes.Structure):
         ("expand_rank_in_expert", ctypes.c_uint64),
         ("is_cached", ctypes.c_int),
         ("do_zero_padding", ctypes.c_int),
+        ("drain_only", ctypes.c_int),
+        ("arrival_block", ctypes.c_int),
+        ("error_block", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
     ]
 
 
@@ -80,6 +87,8 @@ class CombineArgs(ctypes.Structure):
         ("psum_num_recv_tokens_per_rank", ctypes.c_uint64),
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("rank", ctypes.c_int),
+        ("rows_per_task", ctypes.c_int),
+        ("arrival_block", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
     ]
@@ -99,10 +108,14 @@ class CombineEpilogueArgs(ctypes.Structure):
         ("local_x", ctypes.c_uint64),
         ("local_topk_weights", ctypes.c_uint64),
         ("psum_num_recv_tokens_per_rank", ctypes.c_uint64),
+        ("num_tokens_per_rank", ctypes.c_uint64),
         ("num_tokens", ctypes.c_int),
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("num_experts_per_rank", ctypes.c_int),
         ("rank", ctypes.c_int),
+        ("arrival_block", ctypes.c_int),
+        ("error_block", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
     ]
 
 
@@ -137,7 +150,7 @@ def dispatch_expand_rank_spec(num_ranks: int, hidden_bytes: int, scale_bytes: in
     return _spec(
         "dispatch_expand_rank",
         (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_EXPAND_RANK_THREADS),
-        ("const char*", "int", "int", "int", "int*"),
+        ("char*", "int", "int", "int", "int*", "int", "int64_t*", "uint64_t"),
         use_nccl=False,
     )
 

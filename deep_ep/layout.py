@@ -14,26 +14,46 @@ MAX_LOCAL_EXPERTS = 1024
 SEMAPHORE_OFFSET = 0
 RECV_COUNT_OFFSET = SEMAPHORE_OFFSET + MAX_CHANNELS * MAX_RANKS * 4
 STATUS_OFFSET = RECV_COUNT_OFFSET + MAX_RANKS * 4
+EPILOGUE_DONE_OFFSET = STATUS_OFFSET + 8
 RECV_EXPERT_COUNT_OFFSET = 128 * 1024
+ARRIVAL_OFFSET = 384 * 1024
+MAX_ARRIVAL_BLOCKS = 512  # arrival counters per source rank
 WORKSPACE_BYTES = 512 * 1024
 BUFFER_ALIGNMENT = 2 * 1024 * 1024
-# int32 words of a fresh dispatch's device scratch (grid barrier, per-CTA counts, per-expert counts)
-DISPATCH_SCRATCH_INTS = 32 + MAX_CHANNELS * MAX_RANKS + MAX_CHANNELS + MAX_RANKS * MAX_LOCAL_EXPERTS
+# int32 words of a fresh dispatch's device scratch (grid barrier, per-CTA flags, per-(group, rank)
+# counts, per-expert counts); the groups' first slots live in each CTA's shared memory
+MAX_GROUP_INTS = 4096
+DISPATCH_SCRATCH_INTS = 32 + MAX_CHANNELS + MAX_GROUP_INTS + MAX_RANKS * MAX_LOCAL_EXPERTS
 
 # Error block words (int64) and the phases a device wait can time out in
 ERROR_WORDS = ("status", "phase", "rank", "peer", "channel", "observed", "expected")
 PHASES = {
     1: "barrier",
     2: "dispatch entry barrier",
-    3: "dispatch exit barrier",
+    3: "dispatch arrivals",
     4: "combine entry barrier",
-    5: "combine exit barrier",
+    5: "combine arrivals",
     6: "dispatch grid barrier",
+    7: "dispatch counts",
 }
 
 
 def align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
+
+
+def arrival_block(num_max_tokens_per_rank: int) -> int:
+    """Slots per arrival counter: small blocks let the epilogue start early, and every source's
+    `num_max_tokens_per_rank` slots must fit `MAX_ARRIVAL_BLOCKS` counters."""
+    return max(32, -(-num_max_tokens_per_rank // MAX_ARRIVAL_BLOCKS))
+
+
+def tokens_per_group(num_tokens: int, num_ranks: int) -> int:
+    """Tokens per layout group of a fresh dispatch (a multiple of 32, one warp ballot each): as
+    small as the groups' first slots, `MAX_GROUP_INTS` per CTA, allow (a sending warp scans its
+    group up to its own tokens)."""
+    num_pieces = -(-max(num_tokens, 1) // 32)
+    return 32 * -(-num_pieces // (MAX_GROUP_INTS // num_ranks))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ dispatch and combine as a fixed sequence of kernels on the stream it is given:
     cached dispatch: dispatch (NVLink) -> epilogue            (slots and counts from the handle)
     combine:  combine (NVLink) -> combine epilogue
 
-Without CPU sync nothing waits on the host, so the sequence can be captured in a CUDA graph.
+Epilogues are launched with programmatic dependent launch and follow the senders' arrival
+counters, so they run while the data is still on the wire. Without CPU sync nothing waits on the
+host, so the sequence can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from .layout import (
     CombineSlotLayout,
     DispatchRecordLayout,
     align,
+    arrival_block,
+    tokens_per_group,
 )
 from .nccl.communicator import Communicator
 from .nccl.device_comm import DeviceCommunicator
@@ -44,6 +48,17 @@ _SPIN_S = 0.05
 
 def _ptr(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
+
+
+def rows_per_task(num_rows: int, num_sms: int, max_rows: int) -> int:
+    """Rows (or tokens) a communication warp sends between two releases: one when there are few
+    per warp (decode: spread them over every warp), up to `max_rows` when there are many (each
+    release fence stalls its warp for about one NVLink round trip)."""
+    num_warps = num_sms * (kernels.NUM_THREADS // 32)
+    rows = 1
+    while rows < max_rows and num_rows >= 8 * rows * num_warps:
+        rows *= 2
+    return rows
 
 
 def raise_invalid_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> None:
@@ -219,6 +234,7 @@ class NvlinkRuntime:
         num_sms = max(self.num_ranks, min(num_sms, self.num_device_sms))
 
         counts_list = None
+        arrival_slots = arrival_block(num_max_tokens_per_rank)
         if cached is None:
             slot_idx = torch.empty((num_tokens, self.num_ranks), dtype=torch.int32, device=device)
             dst_slot_idx = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=device)
@@ -238,6 +254,8 @@ class NvlinkRuntime:
             counts_out=_ptr(self.device_counts) if (cached is None and do_cpu_sync) else 0,
             cumulative_stats=_ptr(cumulative_stats) if cached is None else 0, num_tokens=num_tokens,
             num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank, num_experts_per_rank=num_local_experts,
+            tokens_per_group=tokens_per_group(num_tokens, self.num_ranks),
+            tokens_per_task=rows_per_task(num_tokens, num_sms, 4), arrival_block=arrival_slots,
             error_block=_ptr(self.error_block), timeout_ns=self.timeout_ns)  # fmt: skip
         kernels.load(kernels.dispatch_spec(*args_common, cached is not None)).launch(
             grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
@@ -251,13 +269,15 @@ class NvlinkRuntime:
                 kernels.load(kernels.dispatch_expand_rank_spec(*args_common)).launch(
                     grid=(num_local_experts,), block=(kernels.NUM_EXPAND_RANK_THREADS,), stream=stream,
                     args=(U64(self.window.ptr), I32(num_max_tokens_per_rank), I32(self.rank), I32(num_local_experts),
-                          U64(_ptr(expand_scratch))))  # fmt: skip
+                          U64(_ptr(expand_scratch)), I32(arrival_slots), U64(_ptr(self.error_block)),
+                          U64(self.timeout_ns)))  # fmt: skip
             if do_cpu_sync:
                 num_words = self.num_ranks + num_local_experts + 1
                 self.host_counts[:num_words].copy_(self.device_counts[:num_words], non_blocking=True)
                 self.wait(stream, "dispatch counts")
                 counts = self.host_counts[:num_words].tolist()
                 if counts[-1]:
+                    self._drain_dispatch(stream, args_common, num_max_tokens_per_rank, num_local_experts, arrival_slots)
                     raise_invalid_topk_idx(topk_idx, num_experts)
                 num_recv_tokens = sum(counts[: self.num_ranks])
                 counts_list = [align(c, expert_alignment) for c in counts[self.num_ranks : -1]]
@@ -277,6 +297,8 @@ class NvlinkRuntime:
             expand_scratch = None
             num_out_rows, num_recv_tokens = cached.num_out_rows, cached.num_meta_rows
 
+        # The epilogue runs next to the dispatch kernel unless a host wait (CPU sync) came between
+        num_busy_sms = 0 if (cached is None and do_cpu_sync) else num_sms
         recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
         recv_scales, scale_col_stride = None, 0
         if x_scales is not None:
@@ -304,9 +326,10 @@ class NvlinkRuntime:
             recv_src_metadata=_ptr(recv_src_metadata), psum_num_recv_tokens_per_rank=_ptr(psum_rank),
             num_recv_tokens_per_expert=_ptr(num_recv_per_expert), psum_num_recv_tokens_per_expert=_ptr(psum_expert),
             expand_rank_in_expert=_ptr(expand_scratch), is_cached=int(cached is not None),
-            do_zero_padding=int(do_zero_padding))  # fmt: skip
+            do_zero_padding=int(do_zero_padding), arrival_block=arrival_slots, error_block=_ptr(self.error_block),
+            timeout_ns=self.timeout_ns)  # fmt: skip
         kernels.load(kernels.dispatch_epilogue_spec(*args_common, do_expand)).launch(
-            grid=(self._grid_for_rows(num_recv_tokens),), block=(kernels.NUM_THREADS,), stream=stream,
+            grid=(self._grid_for_rows(num_recv_tokens, num_busy_sms),), block=(kernels.NUM_THREADS,), stream=stream,
             args=(Opaque(bytes(epilogue_args)),), pdl=True)  # fmt: skip
         return {
             "recv_x": recv_x,
@@ -324,10 +347,33 @@ class NvlinkRuntime:
             "state": state,
         }
 
-    def _grid_for_rows(self, num_rows: int) -> int:
-        """CTAs for an epilogue over `num_rows` rows: one warp per row, at most one CTA per SM."""
+    def _drain_dispatch(
+        self,
+        stream: torch.cuda.Stream,
+        args_common: tuple,
+        num_max_tokens_per_rank: int,
+        num_local_experts: int,
+        arrival_slots: int,
+    ) -> None:
+        """Our input was rejected, but peers sent us their records: wait for them all and return the
+        arrival counters to zero (the epilogue with no outputs), so the buffer stays usable."""
+        drain_args = kernels.DispatchEpilogueArgs(
+            window_base=self.window.ptr, num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
+            num_experts_per_rank=num_local_experts, expert_alignment=1, drain_only=1, arrival_block=arrival_slots,
+            error_block=_ptr(self.error_block), timeout_ns=self.timeout_ns)  # fmt: skip
+        kernels.load(kernels.dispatch_epilogue_spec(*args_common, False)).launch(
+            grid=(1,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(drain_args)),), pdl=True
+        )
+
+    def _grid_for_rows(self, num_rows: int, num_busy_sms: int) -> int:
+        """CTAs for an epilogue over `num_rows` rows: one warp per row, at most one CTA per SM, and
+        only the SMs the running communication kernel (`num_busy_sms`) leaves free. An epilogue CTA
+        cannot share an SM with a communication CTA (registers), so one placed behind it would hold
+        its rows, spread over the whole batch, until the transfer ends."""
         rows_per_cta = kernels.NUM_THREADS // 32
-        return max(1, min(self.num_device_sms, (num_rows + rows_per_cta - 1) // rows_per_cta))
+        num_free_sms = self.num_device_sms - num_busy_sms
+        num_sms = num_free_sms if num_free_sms >= self.num_device_sms // 4 else self.num_device_sms
+        return max(1, min(num_sms, (num_rows + rows_per_cta - 1) // rows_per_cta))
 
     def worst_case_expanded_rows(
         self, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int, expert_alignment: int
@@ -378,6 +424,7 @@ class NvlinkRuntime:
         slot = CombineSlotLayout(hidden, num_rows, num_topk)
         self.check_capacity(slot.num_bytes, num_max_tokens_per_rank, "combine")
         num_sms = max(1, min(num_sms, self.num_device_sms))
+        arrival_slots = arrival_block(num_max_tokens_per_rank)
         combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
         combined_w = None
         if topk_weights is not None:
@@ -386,8 +433,9 @@ class NvlinkRuntime:
         combine_args = kernels.CombineArgs(
             x=_ptr(x), topk_weights=_ptr(topk_weights), recv_src_metadata=_ptr(recv_src_metadata),
             psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank),
-            num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank, error_block=_ptr(self.error_block),
-            timeout_ns=self.timeout_ns)  # fmt: skip
+            num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
+            rows_per_task=rows_per_task(num_tokens * self.num_ranks, num_sms, 2), arrival_block=arrival_slots,
+            error_block=_ptr(self.error_block), timeout_ns=self.timeout_ns)  # fmt: skip
         kernels.load(kernels.combine_spec(self.num_ranks, hidden, num_topk, num_rows, do_expand)).launch(
             grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
             args=(Opaque(self.dev_comm.raw), U64(self.window.handle), Opaque(bytes(combine_args))))  # fmt: skip
@@ -397,10 +445,12 @@ class NvlinkRuntime:
                 bias_0=_ptr(bias_0), bias_1=_ptr(bias_1), combined_x=_ptr(combined_x),
                 combined_topk_weights=_ptr(combined_w), local_x=0 if do_expand else _ptr(x),
                 local_topk_weights=0 if do_expand else _ptr(topk_weights),
-                psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank), num_tokens=num_tokens,
+                psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank),
+                num_tokens_per_rank=_ptr(state.num_tokens_per_rank), num_tokens=num_tokens,
                 num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts,
-                rank=self.rank)  # fmt: skip
-            grid = self._grid_for_rows(num_tokens * ((hidden + 1023) // 1024))  # (token, 1024-wide part) items
+                rank=self.rank, arrival_block=arrival_slots, error_block=_ptr(self.error_block),
+                timeout_ns=self.timeout_ns)  # fmt: skip
+            grid = self._grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
             kernels.load(kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows)).launch(
                 grid=(grid,),
                 block=(kernels.NUM_THREADS,),

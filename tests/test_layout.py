@@ -19,7 +19,11 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kSemaphoreOffset == {layout.SEMAPHORE_OFFSET});",
         f"static_assert(deep_ep::kRecvCountOffset == {layout.RECV_COUNT_OFFSET + offset_delta});",
         f"static_assert(deep_ep::kStatusOffset == {layout.STATUS_OFFSET});",
+        f"static_assert(deep_ep::kEpilogueDoneOffset == {layout.EPILOGUE_DONE_OFFSET});",
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
+        f"static_assert(deep_ep::kArrivalOffset == {layout.ARRIVAL_OFFSET});",
+        f"static_assert(deep_ep::kMaxArrivalBlocks == {layout.MAX_ARRIVAL_BLOCKS});",
+        f"static_assert(deep_ep::kMaxGroupInts == {layout.MAX_GROUP_INTS});",
         f"static_assert(deep_ep::kWorkspaceBytes == {layout.WORKSPACE_BYTES});",
         f"static_assert(deep_ep::kMaxLocalExperts == {layout.MAX_LOCAL_EXPERTS});",
         f"static_assert(deep_ep::kDispatchScratchInts == {layout.DISPATCH_SCRATCH_INTS});",
@@ -40,9 +44,9 @@ def _assertions(offset_delta: int = 0) -> str:
                   f"static_assert({slot}::kWeightOffset == {py.weight_offset});"]  # fmt: skip
     for code, name in layout.PHASES.items():
         constant = {"barrier": "kPhaseBarrier", "dispatch entry barrier": "kPhaseDispatchEntry",
-                    "dispatch exit barrier": "kPhaseDispatchExit", "combine entry barrier": "kPhaseCombineEntry",
-                    "combine exit barrier": "kPhaseCombineExit",
-                    "dispatch grid barrier": "kPhaseDispatchGrid"}[name]  # fmt: skip
+                    "dispatch arrivals": "kPhaseDispatchArrival", "combine entry barrier": "kPhaseCombineEntry",
+                    "combine arrivals": "kPhaseCombineArrival", "dispatch grid barrier": "kPhaseDispatchGrid",
+                    "dispatch counts": "kPhaseDispatchCounts"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")
     return "\n".join(lines)
 

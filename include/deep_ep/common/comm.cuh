@@ -9,6 +9,7 @@
 #include <nccl_device.h>
 
 #include "fault.cuh"
+#include "arrivals.cuh"
 #include "layout.cuh"
 #include "ptx.cuh"
 

@@ -17,10 +17,11 @@ enum ErrorWord : int { kErrStatus = 0, kErrPhase, kErrRank, kErrPeer, kErrChanne
 enum Phase : int {
     kPhaseBarrier = 1,
     kPhaseDispatchEntry = 2,
-    kPhaseDispatchExit = 3,
+    kPhaseDispatchArrival = 3,
     kPhaseCombineEntry = 4,
-    kPhaseCombineExit = 5,
+    kPhaseCombineArrival = 5,
     kPhaseDispatchGrid = 6,
+    kPhaseDispatchCounts = 7,
 };
 
 // Where a kernel tells the others of its buffer that a wait failed: the status word of the

@@ -5,7 +5,8 @@
 //
 //   window = [workspace | data region]
 //   workspace: per-CTA, per-source-rank counting semaphores, per-source received token counts,
-//              status, per-(source, local expert) received counts
+//              status, epilogue exit counter, per-(source, local expert) received counts,
+//              per-(source, slot block) arrival counters
 //   data region: kNumRanks source blocks of `num_max_tokens_per_rank` slots each; a source owns
 //                its block in every destination, so it places tokens without asking anyone.
 //                Dispatch records and combine slots share the region: they are never live at once.
@@ -24,22 +25,34 @@ constexpr int64_t kRecvCountOffset = kSemaphoreOffset + int64_t(kMaxChannels) * 
 // Non-zero once any wait of this buffer timed out: kernels poll it here, in device memory, because
 // reads of host-mapped memory cost microseconds each (the host-mapped error block is only written).
 constexpr int64_t kStatusOffset = kRecvCountOffset + kMaxRanks * sizeof(int);
+// CTAs of the running epilogue that are done: the last one returns the arrival counters to zero.
+constexpr int64_t kEpilogueDoneOffset = kStatusOffset + 8;
 // Senders publish how many of their tokens go to each of our local experts, so no receiver-side
 // pass over the records is needed to count them.
 constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
+// Arrival counters: how many records (dispatch) or rows (combine) of each block of
+// `arrival_block` slots have landed here from each source. The sender adds to them after a
+// release fence once per group of tokens, so the receiver's epilogue can copy or reduce the rows
+// that are here while the rest are still on the wire, without per-token flags.
+constexpr int64_t kArrivalOffset = 384 * 1024;
+constexpr int kMaxArrivalBlocks = 512;  // per source rank
 constexpr int64_t kWorkspaceBytes = 512 * 1024;
-static_assert(kStatusOffset % 8 == 0 and kStatusOffset + 8 <= kRecvExpertCountOffset, "workspace overflow");
-static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kWorkspaceBytes,
+static_assert(kStatusOffset % 8 == 0 and kEpilogueDoneOffset + 4 <= kRecvExpertCountOffset, "workspace overflow");
+static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kArrivalOffset,
+              "workspace overflow");
+static_assert(kArrivalOffset + int64_t(kMaxRanks) * kMaxArrivalBlocks * sizeof(int) <= kWorkspaceBytes,
               "workspace overflow");
 
-// Device scratch of a fresh dispatch (int32 words, zeroed at buffer creation, zero again after
-// every dispatch): a grid barrier, per-CTA token counts per destination, per-CTA invalid-row flags,
-// and per-expert token counts accumulated by every CTA.
+// Device scratch of a fresh dispatch (int32 words, zeroed at buffer creation; the barrier and the
+// expert counts are zero again after every dispatch): a grid barrier, per-CTA invalid-row flags,
+// per-(token group, destination) counts, and per-expert token counts.
 constexpr int kScratchArrive = 0;
 constexpr int kScratchGeneration = 1;
-constexpr int kScratchChunkCounts = 32;
-constexpr int kScratchChunkBad = kScratchChunkCounts + kMaxChannels * kMaxRanks;
-constexpr int kScratchExpertCounts = kScratchChunkBad + kMaxChannels;
+// Token groups x destination ranks: every dispatch CTA keeps the groups' first slots in shared memory
+constexpr int kMaxGroupInts = 4096;
+constexpr int kScratchChannelBad = 32;
+constexpr int kScratchGroupCounts = kScratchChannelBad + kMaxChannels;
+constexpr int kScratchExpertCounts = kScratchGroupCounts + kMaxGroupInts;
 constexpr int kDispatchScratchInts = kScratchExpertCounts + kMaxRanks * kMaxLocalExperts;
 
 // One dispatched token: hidden bytes, scale bytes, then metadata (top-k ids as int32, top-k

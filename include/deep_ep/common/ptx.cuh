@@ -47,6 +47,11 @@ __device__ __forceinline__ int atomic_add_relaxed_sys(int* ptr, int v) {
     return old;
 }
 
+// Fire-and-forget add (no value comes back, so the thread does not wait for the round trip).
+__device__ __forceinline__ void red_add_relaxed_sys(int* ptr, int v) {
+    asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Programmatic dependent launch: a kernel launched with the PDL attribute may start while its

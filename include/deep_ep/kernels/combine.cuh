@@ -6,7 +6,11 @@
 // one rounding to BF16); without it each local lane's row travels on its own.
 // In the plain layout the rows this rank received from itself stay where they are: the combine
 // epilogue reads them straight from `x`, so only rows for other ranks are copied.
-// Work is split into (row, part) items, one batch of loads each, spread over every warp.
+// Work comes in tasks of `rows_per_task` consecutive slots of one source, one warp each, ordered
+// slot-major with the sources interleaved (task i goes to CTA i mod G), so every source's slots
+// fill in order over time. After a task the warp releases its rows with one fence and adds them to
+// the source's arrival counters: the source's epilogue reduces the rows that have landed while the
+// rest are on the wire. There is no exit barrier.
 
 #include <nccl_device.h>
 
@@ -25,6 +29,8 @@ struct CombineArgs {
     const int* psum_num_recv_tokens_per_rank;
     int num_max_tokens_per_rank;
     int rank;
+    int rows_per_task;
+    int arrival_block;
     int64_t* error_block;
     uint64_t timeout_ns;
 };
@@ -56,75 +62,86 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                     args.timeout_ns))
         return;
 
-    // The epilogue may launch now (programmatic dependent launch); it waits for our completion
+    // The epilogue may launch now (programmatic dependent launch); it follows the arrival counters
     griddep_launch_dependents();
 
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
-    const int num_recv_tokens = psum_src[kNumRanks];
-    const int own_begin = psum_src[args.rank], num_own = kExpand ? 0 : psum_src[args.rank + 1] - own_begin;
-    const int num_items = (num_recv_tokens - num_own) * kNumParts;
-    for (int item = blockIdx.x * kNumWarps + warp_idx; item < num_items; item += gridDim.x * kNumWarps) {
-        const int part = item % kNumParts;
-        int i = item / kNumParts;
-        if (i >= own_begin) i += num_own;
-        int s = 0;
-        while (psum_src[s + 1] <= i) ++s;
-        char* slot = static_cast<char*>(peer_windows[s]) + kWorkspaceBytes +
-                     (static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + (i - psum_src[s])) *
-                         Slot::kBytes;
-        float* slot_weights = reinterpret_cast<float*>(slot + Slot::kWeightOffset);
-        int4* slot_rows = reinterpret_cast<int4*>(slot);
+    // The plain layout sends nothing to this rank itself
+    const int num_sources = kExpand ? kNumRanks : kNumRanks - 1;
+    int max_rows = 0;
+    for (int s = 0; s < kNumRanks; ++s) max_rows = max(max_rows, psum_src[s + 1] - psum_src[s]);
+    const int num_tasks = num_sources * ceil_div(max_rows, args.rows_per_task);
+    const int num_warps = gridDim.x * kNumWarps;
+    for (int task = channel + warp_idx * gridDim.x; task < num_tasks; task += num_warps) {
+        const int source_idx = task % num_sources;
+        const int s = kExpand or source_idx < args.rank ? source_idx : source_idx + 1;
+        const int slot_begin = task / num_sources * args.rows_per_task;
+        const int slot_end = min(psum_src[s + 1] - psum_src[s], slot_begin + args.rows_per_task);
+        if (slot_begin >= slot_end) continue;
+        char* source_slots = static_cast<char*>(peer_windows[s]) + kWorkspaceBytes +
+                             static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank * Slot::kBytes;
+        for (int item = 0; item < (slot_end - slot_begin) * kNumParts; ++item) {
+            const int part = item % kNumParts, slot_idx = slot_begin + item / kNumParts;
+            const int i = psum_src[s] + slot_idx;
+            char* slot = source_slots + static_cast<int64_t>(slot_idx) * Slot::kBytes;
+            float* slot_weights = reinterpret_cast<float*>(slot + Slot::kWeightOffset);
+            int4* slot_rows = reinterpret_cast<int4*>(slot);
 
-        if constexpr (not kExpand) {
-            const int4* src = args.x + static_cast<int64_t>(i) * kRowVectors;
-            warp_copy_part<kRowVectors, kUnroll>(
-                lane_idx, part, [&](int v) { return ld_nc_v4(src + v); },
-                [&](int v, const int4& value) { st_na_v4(slot_rows + v, value); });
-            if (part == 0 and lane_idx < kNumTopk)
-                slot_weights[lane_idx] =
-                    args.topk_weights != nullptr ? args.topk_weights[static_cast<int64_t>(i) * kNumTopk + lane_idx] : 0.0f;
-        } else {
-            const int expanded_row =
-                lane_idx < kNumTopk ? args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 2 + lane_idx] : -1;
-            const uint32_t local_lanes = __ballot_sync(0xffffffff, expanded_row >= 0);
-            if (part == 0 and lane_idx < kNumTopk)
-                slot_weights[lane_idx] =
-                    (args.topk_weights != nullptr and expanded_row >= 0) ? args.topk_weights[expanded_row] : 0.0f;
-            if constexpr (kReduce) {
-                // Multiple reduction: sum the local lanes here, in lane order
-                float acc[kUnroll][8];
-                reduce_part<kRowVectors, kUnroll>(lane_idx, part, acc, [&](auto accumulate) {
+            if constexpr (not kExpand) {
+                const int4* src = args.x + static_cast<int64_t>(i) * kRowVectors;
+                warp_copy_part<kRowVectors, kUnroll>(
+                    lane_idx, part, [&](int v) { return ld_nc_v4(src + v); },
+                    [&](int v, const int4& value) { st_na_v4(slot_rows + v, value); });
+                if (part == 0 and lane_idx < kNumTopk)
+                    slot_weights[lane_idx] = args.topk_weights != nullptr
+                                                 ? args.topk_weights[static_cast<int64_t>(i) * kNumTopk + lane_idx]
+                                                 : 0.0f;
+            } else {
+                const int expanded_row =
+                    lane_idx < kNumTopk ? args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 2 + lane_idx] : -1;
+                const uint32_t local_lanes = __ballot_sync(0xffffffff, expanded_row >= 0);
+                if (part == 0 and lane_idx < kNumTopk)
+                    slot_weights[lane_idx] =
+                        (args.topk_weights != nullptr and expanded_row >= 0) ? args.topk_weights[expanded_row] : 0.0f;
+                if constexpr (kReduce) {
+                    // Multiple reduction: sum the local lanes here, in lane order
+                    float acc[kUnroll][8];
+                    reduce_part<kRowVectors, kUnroll>(lane_idx, part, acc, [&](auto accumulate) {
+                        uint32_t lanes = local_lanes;
+                        while (lanes != 0) {
+                            const int k = __ffs(lanes) - 1;
+                            lanes &= lanes - 1;
+                            accumulate(args.x +
+                                       static_cast<int64_t>(__shfl_sync(0xffffffff, expanded_row, k)) * kRowVectors);
+                        }
+                    });
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int v = part * 32 * kUnroll + u * 32 + lane_idx;
+                        if (v < kRowVectors) st_na_v4(slot_rows + v, round_bf16x8(acc[u]));
+                    }
+                } else {
+                    // No multiple reduction: the j-th local lane's row goes to sub-row j
                     uint32_t lanes = local_lanes;
-                    while (lanes != 0) {
+                    for (int j = 0; lanes != 0; ++j) {
                         const int k = __ffs(lanes) - 1;
                         lanes &= lanes - 1;
-                        accumulate(args.x + static_cast<int64_t>(__shfl_sync(0xffffffff, expanded_row, k)) * kRowVectors);
+                        const int4* src =
+                            args.x + static_cast<int64_t>(__shfl_sync(0xffffffff, expanded_row, k)) * kRowVectors;
+                        int4* dst = slot_rows + j * (Slot::kRowBytes / 16);
+                        warp_copy_part<kRowVectors, kUnroll>(
+                            lane_idx, part, [&](int v) { return ld_nc_v4(src + v); },
+                            [&](int v, const int4& value) { st_na_v4(dst + v, value); });
                     }
-                });
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int v = part * 32 * kUnroll + u * 32 + lane_idx;
-                    if (v < kRowVectors) st_na_v4(slot_rows + v, round_bf16x8(acc[u]));
-                }
-            } else {
-                // No multiple reduction: the j-th local lane's row goes to sub-row j
-                uint32_t lanes = local_lanes;
-                for (int j = 0; lanes != 0; ++j) {
-                    const int k = __ffs(lanes) - 1;
-                    lanes &= lanes - 1;
-                    const int4* src = args.x + static_cast<int64_t>(__shfl_sync(0xffffffff, expanded_row, k)) * kRowVectors;
-                    int4* dst = slot_rows + j * (Slot::kRowBytes / 16);
-                    warp_copy_part<kRowVectors, kUnroll>(
-                        lane_idx, part, [&](int v) { return ld_nc_v4(src + v); },
-                        [&](int v, const int4& value) { st_na_v4(dst + v, value); });
                 }
             }
         }
+        // Release the task's rows (the warp's stores, ordered before the fence by __syncwarp)
+        __syncwarp();
+        fence_acq_rel_sys();
+        if (lane_idx == 0)
+            signal_arrivals(peer_windows[s], args.rank, slot_begin, slot_end - slot_begin, args.arrival_block);
     }
-
-    // Release our rows to their home ranks
-    channel_barrier<kNumRanks>(peer_windows, args.rank, channel, kPhaseCombineExit, args.error_block,
-                               args.timeout_ns);
 }
 
 }  // namespace deep_ep

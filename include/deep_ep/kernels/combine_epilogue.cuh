@@ -7,9 +7,12 @@
 // the holder of each lane's expert. In the plain layout this rank's own rows are read from the
 // combine input itself (combine.cuh does not copy them).
 // Work is split into (token, part) items so that small batches still use many warps.
-// Launched with programmatic dependent launch: it waits for the combine before reading anything.
+// Launched with programmatic dependent launch while the combine still sends: before reading a
+// holder's row it waits for that row's arrival block (comm.cuh); tokens are taken in order, which
+// is the order their rows land in. The last CTA out returns the arrival counters to zero.
 
 #include "../common/bf16.cuh"
+#include "../common/arrivals.cuh"
 #include "../common/copy.cuh"
 #include "../common/fault.cuh"
 #include "../common/layout.cuh"
@@ -18,7 +21,7 @@
 namespace deep_ep {
 
 struct CombineEpilogueArgs {
-    const char* window_base;
+    char* window_base;
     const int64_t* topk_idx;  // [num_tokens, topk], global expert ids
     const int* slot_idx;      // [num_tokens, num_ranks]
     const int4* bias_0;       // [num_tokens, hidden] BF16 or null
@@ -28,10 +31,14 @@ struct CombineEpilogueArgs {
     const int4* local_x;           // plain layout: the combine input, whose own rows stay here; else null
     const float* local_topk_weights;                  // plain layout: [rows, topk] or null
     const int* psum_num_recv_tokens_per_rank;         // where this rank's own rows start in local_x
+    const int* num_tokens_per_rank;                   // [num_ranks]: rows each holder sends back
     int num_tokens;
     int num_max_tokens_per_rank;
     int num_experts_per_rank;
     int rank;
+    int arrival_block;
+    int64_t* error_block;
+    uint64_t timeout_ns;
 };
 
 template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads>
@@ -41,10 +48,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
     constexpr int kRowVectors = kHidden / 8;
     constexpr int kUnroll = 4;
     constexpr int kNumParts = num_copy_parts<kRowVectors, kUnroll>();
-    griddep_wait();
-    if (has_error(args.window_base)) return;
+    constexpr int kRanksPerLane = ceil_div(kNumRanks, 32);
+    const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
 
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
+    // Lane d % 32 watches holder d: how many rows it sends back, the last block seen complete
+    int num_sent[kRanksPerLane], ready_block[kRanksPerLane];
+#pragma unroll
+    for (int j = 0; j < kRanksPerLane; ++j) {
+        num_sent[j] = j * 32 + lane_idx < kNumRanks ? args.num_tokens_per_rank[j * 32 + lane_idx] : 0;
+        ready_block[j] = -1;
+    }
     const int own_rows_begin = args.rank == 0 ? 0 : args.psum_num_recv_tokens_per_rank[args.rank - 1];
     auto slot_of = [&](int t, int d) {
         return args.window_base + kWorkspaceBytes +
@@ -57,10 +71,30 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
     };
 
     const int num_items = args.num_tokens * kNumParts;
-    for (int item = blockIdx.x * kNumWarps + warp_idx; item < num_items; item += gridDim.x * kNumWarps) {
+    bool warp_ok = true;
+    for (int item = blockIdx.x * kNumWarps + warp_idx; warp_ok and item < num_items; item += gridDim.x * kNumWarps) {
         const int t = item / kNumParts, part = item % kNumParts;
         const int64_t expert = lane_idx < kNumTopk ? args.topk_idx[static_cast<int64_t>(t) * kNumTopk + lane_idx] : -1;
         const int holder = expert >= 0 ? static_cast<int>(expert / args.num_experts_per_rank) : -1;
+
+        // Wait until every holder's row of `t` has landed (own rows in `local_x` are always here)
+        bool lane_ok = true;
+#pragma unroll
+        for (int d = 0; d < kNumRanks; ++d) {
+            const bool is_holder = __ballot_sync(0xffffffff, holder == d) != 0;
+            if (is_holder and lane_idx == d % 32 and not(d == args.rank and args.local_x != nullptr)) {
+                const int block = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] / args.arrival_block;
+                if (block != ready_block[d / 32]) {
+                    lane_ok = wait_counter(arrival_counters(args.window_base, d) + block,
+                                           arrival_block_size(num_sent[d / 32], block, args.arrival_block), fault,
+                                           kPhaseCombineArrival, args.rank, d, block, args.timeout_ns);
+                    ready_block[d / 32] = block;
+                }
+            }
+        }
+        __syncwarp();
+        warp_ok = __all_sync(0xffffffff, lane_ok);
+        if (not warp_ok) break;
 
         float acc[kUnroll][8];
         reduce_part<kRowVectors, kUnroll>(lane_idx, part, acc, [&](auto accumulate) {
@@ -96,6 +130,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
             args.combined_topk_weights[static_cast<int64_t>(t) * kNumTopk + lane_idx] = weight;
         }
     }
+
+    reset_arrivals_when_last<kNumRanks>(args.window_base, args.arrival_block,
+                                        [&](int d) { return args.num_tokens_per_rank[d]; });
+    // Complete only after the combine kernel, as a plain launch would
+    griddep_wait();
 }
 
 }  // namespace deep_ep

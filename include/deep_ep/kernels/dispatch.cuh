@@ -4,17 +4,23 @@
 // destination rank that owns one of its experts, straight into the destination's window at its
 // slot (the source owns that slot block, so no atomics and no ordering between CTAs).
 //
-// Fresh dispatch (not kCached): CTA c owns a contiguous chunk of tokens. It counts its chunk's
-// tokens per destination, adds its tokens per expert to device-wide counters and validates its
-// rows; after a grid barrier every CTA knows how many tokens precede its chunk for each
-// destination (hence the slots of its tokens, in source order) and whether any row was bad (then
-// nothing is sent). CTA d (the grid has at least one CTA per rank) tells rank d, after the entry
-// barrier, how many tokens and how many per local expert it gets; after the exit barrier CTA
-// `rank`, which is paired with exactly those senders, sums what it was told. No separate layout
-// or count kernel runs.
+// Tokens are sent in tasks of `tokens_per_task`, one warp each, task i by CTA i mod G, so slots
+// fill roughly in order. After a task the warp fences once and adds the task's slots to the
+// destinations' arrival counters (arrivals.cuh): the destination's epilogue, launched early
+// (programmatic dependent launch), copies the records that have landed while the rest are still
+// on the wire. There is no exit barrier.
+//
+// Fresh dispatch (not kCached): warps count the tokens of every group of `tokens_per_group` per
+// destination, add tokens per expert to device-wide counters and validate the rows; after a grid
+// barrier every CTA scans the group counts into each group's first slot per destination, and any
+// bad row stops the send. A sending warp then finds its tokens' slots from their group's first
+// slot and the group's earlier tokens.
+// CTA d (the grid has at least one CTA per rank) tells rank d, after the entry barrier, how many
+// tokens and how many per local expert it gets; CTA `rank` finally waits for what every source told
+// it and sums the per-expert counts. No separate layout or count kernel runs.
 // Cached dispatch: the slots come from the handle.
 // A rank's records for itself carry only their metadata: the epilogue reads the payload from `x`.
-// Channel c of each rank pairs with channel c of the others for the entry and exit barriers.
+// Channel c of each rank pairs with channel c of the others for the entry barrier.
 
 #include <nccl_device.h>
 
@@ -33,7 +39,7 @@ struct DispatchArgs {
     const float* topk_weights;   // [num_tokens, topk] or null
     int* slot_idx;               // [num_tokens, num_ranks]: written (fresh) or read (cached); -1 = not sent
     int* dst_slot_idx;           // [num_tokens, topk]: per lane, the slot at the lane's rank (fresh), or null
-    int* layout_scratch;         // [kDispatchScratchInts], zero between fresh dispatches (layout.cuh)
+    int* layout_scratch;         // [kDispatchScratchInts] (layout.cuh)
     int* num_tokens_per_rank;    // [num_ranks]: written (fresh) or read (cached)
     int* num_recv_tokens_per_expert;  // [num_experts_per_rank], written by a fresh dispatch
     int* counts_out;             // [num_ranks + num_experts_per_rank + 1] for the host (recv per source,
@@ -43,6 +49,9 @@ struct DispatchArgs {
     int num_max_tokens_per_rank;
     int rank;
     int num_experts_per_rank;
+    int tokens_per_group;  // a multiple of 32; at most kMaxGroupInts / kNumRanks groups
+    int tokens_per_task;   // tokens a warp sends between two releases; divides 32
+    int arrival_block;     // slots per arrival counter
     int64_t* error_block;
     uint64_t timeout_ns;
 };
@@ -75,6 +84,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     dispatch_impl(ncclDevComm comm, ncclWindow_t window, DispatchArgs args) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     constexpr int kNumWarps = kNumThreads / 32;
+    constexpr int kRanksPerLane = ceil_div(kNumRanks, 32);
     constexpr int kHiddenVectors = kHiddenBytes / 16;
     constexpr int kScaleVectorsEnd = Record::kMetaOffset / 16;
     constexpr int kRecordVectors = Record::kBytes / 16;
@@ -88,112 +98,91 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     (void)comm;
 
     __shared__ void* peer_windows[kNumRanks];
-    __shared__ int warp_before[kNumWarps][kNumRanks];
-    __shared__ int warp_total[kNumWarps][kNumRanks];
-    __shared__ int rank_base[kNumRanks];
     __shared__ int rank_total[kNumRanks];
+    // Fresh dispatch: the first slot of every (token group, destination)
+    __shared__ int group_base[kCached ? 1 : kMaxGroupInts];
     load_peer_windows<kNumRanks>(window, peer_windows);
     const FaultSink fault = make_fault_sink(peer_windows[args.rank], args.error_block);
 
     const int channel = blockIdx.x, num_channels = gridDim.x;
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     const int num_tokens = args.num_tokens, num_local_experts = args.num_experts_per_rank;
-    const int tokens_per_channel = ceil_div(num_tokens, num_channels);
-    const int chunk_begin = min(num_tokens, channel * tokens_per_channel);
-    const int chunk_end = min(num_tokens, chunk_begin + tokens_per_channel);
+    const int tokens_per_group = args.tokens_per_group;
+    const int num_groups = ceil_div(num_tokens, tokens_per_group);
+    auto group_end = [&](int g) { return min(num_tokens, (g + 1) * tokens_per_group); };
     bool is_bad = false;
 
     if constexpr (not kCached) {
         int* scratch = args.layout_scratch;
-        // Our chunk: tokens per destination (warp ballots), tokens per expert (device-wide atomics),
-        // and whether every row is valid
-        for (int i = threadIdx.x; i < kNumWarps * kNumRanks; i += kNumThreads) (&warp_total[0][0])[i] = 0;
-        __syncthreads();
-        for (int base = chunk_begin; base < chunk_end; base += kNumThreads) {
-            const int t = base + static_cast<int>(threadIdx.x);
-            bool is_bad_row = false;
-            const uint64_t mask =
-                t < chunk_end ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, is_bad_row) : 0;
-            is_bad |= is_bad_row;
-            if (t < chunk_end and not is_bad_row) {
+        int* group_counts = scratch + kScratchGroupCounts;  // [group][rank]
+        // Every warp counts whole groups (any of them: only the counts leave this pass), adds its
+        // tokens per expert to the device-wide counters and validates its rows
+        for (int g = channel * kNumWarps + warp_idx; g < num_groups; g += num_channels * kNumWarps) {
+            int num_hits[kRanksPerLane] = {};
+            for (int base = g * tokens_per_group; base < group_end(g); base += 32) {
+                const int t = base + lane_idx;
+                bool is_bad_row = false;
+                const uint64_t mask =
+                    t < group_end(g) ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, is_bad_row)
+                                     : 0;
+                is_bad |= is_bad_row;
+                if (t < group_end(g) and not is_bad_row) {
 #pragma unroll
-                for (int k = 0; k < kNumTopk; ++k) {
-                    const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
-                    if (expert >= 0) atomicAdd(scratch + kScratchExpertCounts + expert, 1);
+                    for (int k = 0; k < kNumTopk; ++k) {
+                        const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
+                        if (expert >= 0) atomicAdd(scratch + kScratchExpertCounts + expert, 1);
+                    }
+                }
+#pragma unroll
+                for (int d = 0; d < kNumRanks; ++d) {
+                    const int hits = __popc(__ballot_sync(0xffffffff, (mask >> d) & 1));
+                    if (lane_idx == d % 32) num_hits[d / 32] += hits;
                 }
             }
 #pragma unroll
-            for (int d = 0; d < kNumRanks; ++d) {
-                const int num_hits = __popc(__ballot_sync(0xffffffff, (mask >> d) & 1));
-                if (lane_idx == 0) warp_total[warp_idx][d] += num_hits;
-            }
+            for (int j = 0; j < kRanksPerLane; ++j)
+                if (j * 32 + lane_idx < kNumRanks) group_counts[g * kNumRanks + j * 32 + lane_idx] = num_hits[j];
         }
         is_bad = __syncthreads_or(is_bad);
-        if (threadIdx.x < kNumRanks) {
-            int total = 0;
-            for (int w = 0; w < kNumWarps; ++w) total += warp_total[w][threadIdx.x];
-            scratch[kScratchChunkCounts + channel * kMaxRanks + threadIdx.x] = total;
-        }
-        if (threadIdx.x == 0) scratch[kScratchChunkBad + channel] = is_bad;
+        if (threadIdx.x == 0) scratch[kScratchChannelBad + channel] = is_bad;
 
-        // Every chunk's counts: our slots start after the chunks before ours
         if (!grid_barrier(scratch + kScratchArrive, scratch + kScratchGeneration, fault, kPhaseDispatchGrid, args.rank,
                           args.timeout_ns))
             return;
-        // L2 loads (`.cg`, ordered after the barrier's acquire) that the compiler may batch: a volatile
-        // load per iteration would pay the full L2 latency once per channel
-        if (threadIdx.x < kNumRanks) {
-            int before = 0, total = 0;
-#pragma unroll 8
-            for (int c = 0; c < num_channels; ++c) {
-                const int count = __ldcg(scratch + kScratchChunkCounts + c * kMaxRanks + threadIdx.x);
-                before += c < channel ? count : 0;
-                total += count;
-            }
-            rank_base[threadIdx.x] = before;
-            rank_total[threadIdx.x] = total;
-        }
+        // L2 loads (`.cg`, ordered after the barrier's acquire) that the compiler may batch
         int any_bad = 0;
-        for (int c = threadIdx.x; c < num_channels; c += kNumThreads) any_bad |= __ldcg(scratch + kScratchChunkBad + c);
+        for (int c = threadIdx.x; c < num_channels; c += kNumThreads) any_bad |= __ldcg(scratch + kScratchChannelBad + c);
         is_bad = __syncthreads_or(any_bad);
 
-        // Slots of our chunk, in token order: base + earlier warps + earlier lanes
-        for (int base = chunk_begin; base < chunk_end and not is_bad; base += kNumThreads) {
-            const int t = base + static_cast<int>(threadIdx.x);
-            bool unused = false;
-            const uint64_t mask =
-                t < chunk_end ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, unused) : 0;
+        // Per destination, an exclusive scan of the group counts in token order gives every group
+        // its first slot (every CTA scans them all: any of its warps may send any group)
+        for (int d = warp_idx; d < kNumRanks; d += kNumWarps) {
+            int carry = 0;
+#pragma unroll 4
+            for (int g0 = 0; g0 < num_groups; g0 += 32) {
+                const int g = g0 + lane_idx;
+                const int count = g < num_groups ? __ldcg(group_counts + g * kNumRanks + d) : 0;
+                int inclusive = count;
 #pragma unroll
-            for (int d = 0; d < kNumRanks; ++d) {
-                const int num_hits = __popc(__ballot_sync(0xffffffff, (mask >> d) & 1));
-                if (lane_idx == 0) warp_before[warp_idx][d] = num_hits;
-            }
-            __syncthreads();
-            const uint32_t lanes_below = (1u << lane_idx) - 1;
-#pragma unroll
-            for (int d = 0; d < kNumRanks; ++d) {
-                const bool hit = (mask >> d) & 1;
-                int slot = rank_base[d] + __popc(__ballot_sync(0xffffffff, hit) & lanes_below);
-                for (int w = 0; w < warp_idx; ++w) slot += warp_before[w][d];
-                if (t < chunk_end) args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] = hit ? slot : -1;
-            }
-            if (t < chunk_end and args.dst_slot_idx != nullptr) {
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k) {
-                    const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
-                    args.dst_slot_idx[static_cast<int64_t>(t) * kNumTopk + k] =
-                        expert < 0 ? -1
-                                   : args.slot_idx[static_cast<int64_t>(t) * kNumRanks + expert / num_local_experts];
+                for (int offset = 1; offset < 32; offset *= 2) {
+                    const int below = __shfl_up_sync(0xffffffff, inclusive, offset);
+                    if (lane_idx >= offset) inclusive += below;
                 }
+                if (g < num_groups) group_base[g * kNumRanks + d] = carry + inclusive - count;
+                carry += __shfl_sync(0xffffffff, inclusive, 31);
             }
-            __syncthreads();
-            if (threadIdx.x < kNumRanks)
-                for (int w = 0; w < kNumWarps; ++w) rank_base[threadIdx.x] += warp_before[w][threadIdx.x];
-            __syncthreads();
+            if (lane_idx == 0) rank_total[d] = carry;
         }
+        __syncthreads();
         if (channel == 0 and threadIdx.x < kNumRanks)
             args.num_tokens_per_rank[threadIdx.x] = is_bad ? 0 : rank_total[threadIdx.x];
     }
+
+    // Our count flags are written only by every sender's CTA `rank`, after it passed the entry
+    // barrier with ours, and read by the previous epilogue, which is done: this CTA clears them
+    char* own_window = static_cast<char*>(peer_windows[args.rank]);
+    int* recv_counts = reinterpret_cast<int*>(own_window + kRecvCountOffset);
+    if (channel == args.rank and threadIdx.x < kNumRanks) recv_counts[threadIdx.x] = 0;
 
     // Wait for peers: their previous kernels on this window (epilogues reading it) are done
     if (!channel_barrier<kNumRanks>(peer_windows, args.rank, channel, kPhaseDispatchEntry, args.error_block,
@@ -203,10 +192,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // Tell destination `channel` how many tokens, and (fresh) how many per local expert, it gets from us
     if (channel < kNumRanks) {
         char* peer = static_cast<char*>(peer_windows[channel]);
-        if (threadIdx.x == 0) {
-            const int count = kCached ? args.num_tokens_per_rank[channel] : (is_bad ? 0 : rank_total[channel]);
-            reinterpret_cast<int*>(peer + kRecvCountOffset)[args.rank] = count;
-        }
         if constexpr (not kCached) {
             // Hand over our per-expert counts for `channel` and return their scratch to zero
             int* counts = reinterpret_cast<int*>(peer + kRecvExpertCountOffset) + args.rank * kMaxLocalExperts;
@@ -216,8 +201,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 pending[e] = 0;
             }
         }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const int count = kCached ? args.num_tokens_per_rank[channel] : (is_bad ? 0 : rank_total[channel]);
+            // Count + 1, so that zero means "not told yet"; released after the per-expert counts
+            fence_acq_rel_sys();
+            st_relaxed_sys(reinterpret_cast<int*>(peer + kRecvCountOffset) + args.rank, count + 1);
+        }
     }
-    // The epilogue may launch now (programmatic dependent launch); it waits for our completion
+    // The epilogue may launch now (programmatic dependent launch); it follows the arrival counters
     griddep_launch_dependents();
 
     // Copy records: one (token, part) per warp, each vector loaded once for all destinations
@@ -256,40 +248,101 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         return make_int4(words[0], words[1], words[2], words[3]);
     };
 
-    const int num_items = is_bad ? 0 : (chunk_end - chunk_begin) * kNumParts;
-    for (int item = warp_idx; item < num_items; item += kNumWarps) {
-        const int t = chunk_begin + item / kNumParts, part = item % kNumParts;
-        char* dst_records[kNumRanks];
+    // Tasks of `tokens_per_task` consecutive tokens (inside one group), one warp each; task i goes
+    // to CTA i mod G, so the slots at every destination fill roughly in order over time
+    const int num_tasks = ceil_div(num_tokens, args.tokens_per_task);
+    for (int task = channel + warp_idx * num_channels; not is_bad and task < num_tasks;
+         task += num_channels * kNumWarps) {
+        const int task_begin = task * args.tokens_per_task;
+        const int task_end = min(num_tokens, task_begin + args.tokens_per_task);
+        if constexpr (not kCached) {
+            // Slots of the task's tokens (lane j: token task_begin + j): the group's first slot,
+            // plus the group's hits before the task, plus the task's hits before the token
+            const int g = task_begin / tokens_per_group;
+            int num_before[kRanksPerLane];
+#pragma unroll
+            for (int j = 0; j < kRanksPerLane; ++j)
+                num_before[j] = j * 32 + lane_idx < kNumRanks ? group_base[g * kNumRanks + j * 32 + lane_idx] : 0;
+            for (int base = g * tokens_per_group; base < task_begin; base += 32) {
+                const int t = base + lane_idx;
+                bool unused = false;
+                const uint64_t mask =
+                    t < task_begin ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, unused)
+                                   : 0;
+#pragma unroll
+                for (int d = 0; d < kNumRanks; ++d) {
+                    const int hits = __popc(__ballot_sync(0xffffffff, (mask >> d) & 1));
+                    if (lane_idx == d % 32) num_before[d / 32] += hits;
+                }
+            }
+            const int t = task_begin + lane_idx;
+            bool unused = false;
+            const uint64_t mask =
+                t < task_end ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, unused) : 0;
+            const uint32_t lanes_below = (1u << lane_idx) - 1;
+#pragma unroll
+            for (int d = 0; d < kNumRanks; ++d) {
+                const bool hit = (mask >> d) & 1;
+                const uint32_t hits = __ballot_sync(0xffffffff, hit);
+                const int first = __shfl_sync(0xffffffff, num_before[d / 32], d % 32);
+                if (t < task_end)
+                    args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] = hit ? first + __popc(hits & lanes_below) : -1;
+            }
+            if (t < task_end and args.dst_slot_idx != nullptr) {
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k) {
+                    const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
+                    args.dst_slot_idx[static_cast<int64_t>(t) * kNumTopk + k] =
+                        expert < 0 ? -1 : args.slot_idx[static_cast<int64_t>(t) * kNumRanks + expert / num_local_experts];
+                }
+            }
+            // The lanes' slot writes, before every lane reads them
+            __syncwarp();
+        }
+        for (int item = 0; item < (task_end - task_begin) * kNumParts; ++item) {
+            const int t = task_begin + item / kNumParts, part = item % kNumParts;
+            char* dst_records[kNumRanks];
+#pragma unroll
+            for (int d = 0; d < kNumRanks; ++d) {
+                // Plain loads: a fresh dispatch wrote these slots earlier in this kernel
+                const int slot = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d];
+                dst_records[d] = slot < 0 ? nullptr
+                                          : static_cast<char*>(peer_windows[d]) + kWorkspaceBytes +
+                                                (static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + slot) *
+                                                    Record::kBytes;
+            }
+            warp_copy_part<kRecordVectors, kUnroll>(
+                lane_idx, part, [&](int v) { return load_vector(t, v); },
+                [&](int v, const int4& value) {
+#pragma unroll
+                    for (int d = 0; d < kNumRanks; ++d)
+                        if (dst_records[d] != nullptr and (d != args.rank or v >= kScaleVectorsEnd))
+                            st_na_v4(reinterpret_cast<int4*>(dst_records[d]) + v, value);
+                });
+        }
+        // Release the task's records (the warp's stores, ordered before the fence by __syncwarp)
+        // and count them in: a task's tokens hold consecutive slots at every destination
+        __syncwarp();
+        fence_acq_rel_sys();
+        const int t = task_begin + lane_idx;
 #pragma unroll
         for (int d = 0; d < kNumRanks; ++d) {
-            // Plain loads: a fresh dispatch wrote these slots earlier in this kernel
-            const int slot = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d];
-            dst_records[d] = slot < 0 ? nullptr
-                                      : static_cast<char*>(peer_windows[d]) + kWorkspaceBytes +
-                                            (static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + slot) *
-                                                Record::kBytes;
+            const int slot = t < task_end ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] : -1;
+            const uint32_t hits = __ballot_sync(0xffffffff, slot >= 0);
+            if (hits != 0 and lane_idx == __ffs(hits) - 1)
+                signal_arrivals(peer_windows[d], args.rank, slot, __popc(hits), args.arrival_block);
         }
-        warp_copy_part<kRecordVectors, kUnroll>(
-            lane_idx, part, [&](int i) { return load_vector(t, i); },
-            [&](int i, const int4& v) {
-#pragma unroll
-                for (int d = 0; d < kNumRanks; ++d)
-                    if (dst_records[d] != nullptr and (d != args.rank or i >= kScaleVectorsEnd))
-                        st_na_v4(reinterpret_cast<int4*>(dst_records[d]) + i, v);
-            });
     }
 
-    // Release our records to their destinations
-    if (!channel_barrier<kNumRanks>(peer_windows, args.rank, channel, kPhaseDispatchExit, args.error_block,
-                                    args.timeout_ns))
-        return;
-
-    // The CTA paired with the senders that counted for us sums their per-expert counts
+    // The CTA paired with the senders that counted for us waits for their counts and sums them
     if constexpr (not kCached) {
         if (channel == args.rank) {
-            const char* own = static_cast<const char*>(peer_windows[args.rank]);
-            const int* recv_counts = reinterpret_cast<const int*>(own + kRecvCountOffset);
-            const int* recv_expert_counts = reinterpret_cast<const int*>(own + kRecvExpertCountOffset);
+            bool ok = true;
+            if (threadIdx.x < kNumRanks)
+                ok = wait_counter(recv_counts + threadIdx.x, 1, fault, kPhaseDispatchCounts, args.rank, threadIdx.x,
+                                  channel, args.timeout_ns);
+            if (!__syncthreads_and(ok)) return;
+            const int* recv_expert_counts = reinterpret_cast<const int*>(own_window + kRecvExpertCountOffset);
             for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
                 int sum = 0;
                 for (int s = 0; s < kNumRanks; ++s) sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
@@ -300,7 +353,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             if (args.counts_out != nullptr) {
                 if (threadIdx.x < kNumRanks)
                     args.counts_out[threadIdx.x] =
-                        min(ld_relaxed_sys(recv_counts + threadIdx.x), args.num_max_tokens_per_rank);
+                        min(ld_relaxed_sys(recv_counts + threadIdx.x) - 1, args.num_max_tokens_per_rank);
                 if (threadIdx.x == 0) args.counts_out[kNumRanks + num_local_experts] = is_bad;
             }
         }

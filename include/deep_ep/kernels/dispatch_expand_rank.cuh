@@ -3,10 +3,12 @@
 // Expanded dispatch, on the receiving rank: give every received (token, local expert) pair its
 // index inside the expert's block, in source order (received rows are grouped by source rank,
 // then by source token). One CTA per local expert runs a block scan over the received rows.
-// The counts themselves come from the senders (dispatch.cuh); only the ranks need the records.
+// The counts themselves come from the senders (dispatch.cuh); only the ranks need the records,
+// so it waits for every record to land first (the dispatch kernel has no exit barrier).
 
 #include <cub/block/block_scan.cuh>
 
+#include "../common/arrivals.cuh"
 #include "../common/fault.cuh"
 #include "../common/layout.cuh"
 
@@ -14,18 +16,21 @@ namespace deep_ep {
 
 template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    dispatch_expand_rank_impl(const char* window_base, int num_max_tokens_per_rank, int rank,
-                              int num_experts_per_rank, int* expand_rank_in_expert) {
+    dispatch_expand_rank_impl(char* window_base, int num_max_tokens_per_rank, int rank, int num_experts_per_rank,
+                              int* expand_rank_in_expert, int arrival_block, int64_t* error_block,
+                              uint64_t timeout_ns) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     using Scan = cub::BlockScan<int, kNumThreads>;
     __shared__ typename Scan::TempStorage scan_storage;
+    __shared__ int num_recv[kNumRanks];
     __shared__ int psum_src[kNumRanks + 1];
-    if (has_error(window_base)) return;
+    const FaultSink fault = make_fault_sink(window_base, error_block);
+    if (!wait_recv_counts<kNumRanks>(window_base, num_max_tokens_per_rank, num_recv, fault, rank, timeout_ns)) return;
+    if (!wait_all_arrivals<kNumRanks>(window_base, num_recv, arrival_block, fault, rank, timeout_ns)) return;
 
-    const int* recv_counts = reinterpret_cast<const int*>(window_base + kRecvCountOffset);
     if (threadIdx.x == 0) {
         psum_src[0] = 0;
-        for (int s = 0; s < kNumRanks; ++s) psum_src[s + 1] = psum_src[s] + min(recv_counts[s], num_max_tokens_per_rank);
+        for (int s = 0; s < kNumRanks; ++s) psum_src[s + 1] = psum_src[s] + num_recv[s];
     }
     __syncthreads();
     const int num_recv_tokens = psum_src[kNumRanks];
