@@ -85,3 +85,13 @@ def test_window_size_counts_every_source_block():
     assert size >= layout.WORKSPACE_BYTES + 2 * 8192 * slot
     no_multi = layout.max_slot_bytes(7168, 8, use_fp8_dispatch=False, allow_multiple_reduction=False)
     assert no_multi == layout.CombineSlotLayout(7168, 8, 8).num_bytes
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 8, 64])
+@pytest.mark.parametrize("num_tokens", [0, 1, 31, 128, 4097, 8192, 65536, 262144])
+def test_token_groups_and_arrival_blocks_fit_the_workspace(num_ranks, num_tokens):
+    group = layout.tokens_per_group(num_tokens, num_ranks)
+    assert group % 32 == 0 and group >= 32
+    assert -(-num_tokens // group) * num_ranks <= layout.MAX_GROUP_INTS  # every CTA keeps them all
+    block = layout.arrival_block(num_tokens)
+    assert block >= 32 and -(-num_tokens // block) <= layout.MAX_ARRIVAL_BLOCKS
