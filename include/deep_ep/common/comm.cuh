@@ -16,8 +16,7 @@
 namespace deep_ep {
 
 __device__ __forceinline__ int* workspace_semaphore(void* workspace, int channel, int src_rank) {
-    return reinterpret_cast<int*>(static_cast<char*>(workspace) + kSemaphoreOffset) + channel * kMaxRanks +
-           src_rank;
+    return reinterpret_cast<int*>(static_cast<char*>(workspace) + kSemaphoreOffset) + channel * kMaxRanks + src_rank;
 }
 
 // Every thread of the CTA must call it. `peer_windows[r]` is rank r's window base (LSA pointer).
@@ -51,8 +50,8 @@ __device__ __forceinline__ bool channel_barrier(void* const* peer_windows, int r
 // Every CTA of the grid waits for all the others (the grid must be co-resident: at most one CTA
 // per SM, as for every communication kernel). `arrive` returns to zero; `generation` counts the
 // barriers passed. Returns false (on every thread) when the deadline passed; the error is recorded.
-__device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, const FaultSink& fault, int phase,
-                                             int rank, uint64_t timeout_ns) {
+__device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, const FaultSink& fault, int phase, int rank,
+                                             uint64_t timeout_ns) {
     __shared__ int passed;
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                                  : 0.0f;
             } else {
                 const int expanded_row =
-                    lane_idx < kNumTopk ? args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 2 + lane_idx] : -1;
+                    lane_idx < kNumTopk ? args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 2 + lane_idx]
+                                        : -1;
                 const uint32_t local_lanes = __ballot_sync(0xffffffff, expanded_row >= 0);
                 if (part == 0 and lane_idx < kNumTopk)
                     slot_weights[lane_idx] =

@@ -27,11 +27,11 @@ struct CombineEpilogueArgs {
     const int4* bias_0;       // [num_tokens, hidden] BF16 or null
     const int4* bias_1;
     int4* combined_x;
-    float* combined_topk_weights;  // null when no weights travel
-    const int4* local_x;           // plain layout: the combine input, whose own rows stay here; else null
-    const float* local_topk_weights;                  // plain layout: [rows, topk] or null
-    const int* psum_num_recv_tokens_per_rank;         // where this rank's own rows start in local_x
-    const int* num_tokens_per_rank;                   // [num_ranks]: rows each holder sends back
+    float* combined_topk_weights;              // null when no weights travel
+    const int4* local_x;                       // plain layout: the combine input, whose own rows stay here; else null
+    const float* local_topk_weights;           // plain layout: [rows, topk] or null
+    const int* psum_num_recv_tokens_per_rank;  // where this rank's own rows start in local_x
+    const int* num_tokens_per_rank;            // [num_ranks]: rows each holder sends back
     int num_tokens;
     int num_max_tokens_per_rank;
     int num_experts_per_rank;

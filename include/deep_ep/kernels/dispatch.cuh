@@ -33,18 +33,18 @@
 namespace deep_ep {
 
 struct DispatchArgs {
-    const int4* x;               // [num_tokens, hidden bytes / 16]
-    const int* x_scales;         // [num_tokens, scale bytes / 4] or null
-    const int64_t* topk_idx;     // [num_tokens, topk] global expert ids, -1 = none
-    const float* topk_weights;   // [num_tokens, topk] or null
-    int* slot_idx;               // [num_tokens, num_ranks]: written (fresh) or read (cached); -1 = not sent
-    int* dst_slot_idx;           // [num_tokens, topk]: per lane, the slot at the lane's rank (fresh), or null
-    int* layout_scratch;         // [kDispatchScratchInts] (layout.cuh)
-    int* num_tokens_per_rank;    // [num_ranks]: written (fresh) or read (cached)
+    const int4* x;                    // [num_tokens, hidden bytes / 16]
+    const int* x_scales;              // [num_tokens, scale bytes / 4] or null
+    const int64_t* topk_idx;          // [num_tokens, topk] global expert ids, -1 = none
+    const float* topk_weights;        // [num_tokens, topk] or null
+    int* slot_idx;                    // [num_tokens, num_ranks]: written (fresh) or read (cached); -1 = not sent
+    int* dst_slot_idx;                // [num_tokens, topk]: per lane, the slot at the lane's rank (fresh), or null
+    int* layout_scratch;              // [kDispatchScratchInts] (layout.cuh)
+    int* num_tokens_per_rank;         // [num_ranks]: written (fresh) or read (cached)
     int* num_recv_tokens_per_expert;  // [num_experts_per_rank], written by a fresh dispatch
-    int* counts_out;             // [num_ranks + num_experts_per_rank + 1] for the host (recv per source,
-                                 // recv per local expert, invalid-input flag), or null
-    int* cumulative_stats;       // [num_experts_per_rank] incremented in place, or null
+    int* counts_out;                  // [num_ranks + num_experts_per_rank + 1] for the host (recv per source,
+                                      // recv per local expert, invalid-input flag), or null
+    int* cumulative_stats;            // [num_experts_per_rank] incremented in place, or null
     int num_tokens;
     int num_max_tokens_per_rank;
     int rank;
@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             for (int base = g * tokens_per_group; base < group_end(g); base += 32) {
                 const int t = base + lane_idx;
                 bool is_bad_row = false;
-                const uint64_t mask =
-                    t < group_end(g) ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, is_bad_row)
-                                     : 0;
+                const uint64_t mask = t < group_end(g) ? token_rank_mask<kNumRanks, kNumTopk>(
+                                                             args.topk_idx, t, num_local_experts, is_bad_row)
+                                                       : 0;
                 is_bad |= is_bad_row;
                 if (t < group_end(g) and not is_bad_row) {
 #pragma unroll
@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             return;
         // L2 loads (`.cg`, ordered after the barrier's acquire) that the compiler may batch
         int any_bad = 0;
-        for (int c = threadIdx.x; c < num_channels; c += kNumThreads) any_bad |= __ldcg(scratch + kScratchChannelBad + c);
+        for (int c = threadIdx.x; c < num_channels; c += kNumThreads)
+            any_bad |= __ldcg(scratch + kScratchChannelBad + c);
         is_bad = __syncthreads_or(any_bad);
 
         // Per destination, an exclusive scan of the group counts in token order gives every group
@@ -225,8 +226,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const int word = 4 * j + q;
-                    words[q] = word < kNumScaleInts ? __ldg(args.x_scales + static_cast<int64_t>(t) * kNumScaleInts + word)
-                                                    : 0;
+                    words[q] = word < kNumScaleInts
+                                   ? __ldg(args.x_scales + static_cast<int64_t>(t) * kNumScaleInts + word)
+                                   : 0;
                 }
             }
         } else {
@@ -239,8 +241,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 if (word < kNumTopk)
                     words[q] = static_cast<int>(__ldg(args.topk_idx + at + word));
                 else if (word < 2 * kNumTopk)
-                    words[q] = args.topk_weights != nullptr ? __float_as_int(__ldg(args.topk_weights + at + word - kNumTopk))
-                                                            : 0;
+                    words[q] = args.topk_weights != nullptr
+                                   ? __float_as_int(__ldg(args.topk_weights + at + word - kNumTopk))
+                                   : 0;
                 else
                     words[q] = word == 2 * kNumTopk ? t : 0;
             }
@@ -286,14 +289,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 const uint32_t hits = __ballot_sync(0xffffffff, hit);
                 const int first = __shfl_sync(0xffffffff, num_before[d / 32], d % 32);
                 if (t < task_end)
-                    args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] = hit ? first + __popc(hits & lanes_below) : -1;
+                    args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] =
+                        hit ? first + __popc(hits & lanes_below) : -1;
             }
             if (t < task_end and args.dst_slot_idx != nullptr) {
 #pragma unroll
                 for (int k = 0; k < kNumTopk; ++k) {
                     const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
                     args.dst_slot_idx[static_cast<int64_t>(t) * kNumTopk + k] =
-                        expert < 0 ? -1 : args.slot_idx[static_cast<int64_t>(t) * kNumRanks + expert / num_local_experts];
+                        expert < 0 ? -1
+                                   : args.slot_idx[static_cast<int64_t>(t) * kNumRanks + expert / num_local_experts];
                 }
             }
             // The lanes' slot writes, before every lane reads them
@@ -306,10 +311,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             for (int d = 0; d < kNumRanks; ++d) {
                 // Plain loads: a fresh dispatch wrote these slots earlier in this kernel
                 const int slot = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d];
-                dst_records[d] = slot < 0 ? nullptr
-                                          : static_cast<char*>(peer_windows[d]) + kWorkspaceBytes +
-                                                (static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + slot) *
-                                                    Record::kBytes;
+                dst_records[d] =
+                    slot < 0
+                        ? nullptr
+                        : static_cast<char*>(peer_windows[d]) + kWorkspaceBytes +
+                              (static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + slot) * Record::kBytes;
             }
             warp_copy_part<kRecordVectors, kUnroll>(
                 lane_idx, part, [&](int v) { return load_vector(t, v); },
@@ -345,7 +351,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             const int* recv_expert_counts = reinterpret_cast<const int*>(own_window + kRecvExpertCountOffset);
             for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
                 int sum = 0;
-                for (int s = 0; s < kNumRanks; ++s) sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
+                for (int s = 0; s < kNumRanks; ++s)
+                    sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
                 args.num_recv_tokens_per_expert[e] = sum;
                 if (args.counts_out != nullptr) args.counts_out[kNumRanks + e] = sum;
                 if (args.cumulative_stats != nullptr and not is_bad) args.cumulative_stats[e] += sum;

@@ -25,13 +25,13 @@ namespace deep_ep {
 
 struct DispatchEpilogueArgs {
     char* window_base;
-    const int4* x;         // the dispatch input: payload of the rows this rank sent itself
-    const int* x_scales;   // may be null
+    const int4* x;        // the dispatch input: payload of the rows this rank sent itself
+    const int* x_scales;  // may be null
     int num_max_tokens_per_rank;
     int rank;
     int num_experts_per_rank;
     int expert_alignment;
-    int num_out_rows;       // rows allocated in recv_x (capacity; exact or worst case)
+    int num_out_rows;          // rows allocated in recv_x (capacity; exact or worst case)
     int64_t scale_col_stride;  // 0: row-major scales; else column-major with this row stride
     int4* recv_x;
     int* recv_scales;
@@ -129,7 +129,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
             if (out_row >= args.num_out_rows) return;
             int4* dst = args.recv_x + static_cast<int64_t>(out_row) * kHiddenVectors;
             warp_copy<kHiddenVectors>(
-                lane_idx, [&](int i) { return ld_nc_v4(src + i); }, [&](int i, const int4& v) { st_na_v4(dst + i, v); });
+                lane_idx, [&](int i) { return ld_nc_v4(src + i); },
+                [&](int i, const int4& v) { st_na_v4(dst + i, v); });
             if constexpr (kNumScaleInts > 0) {
                 for (int i = lane_idx; i < kNumScaleInts; i += 32) {
                     const int64_t offset = args.scale_col_stride == 0
@@ -179,7 +180,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
                     args.recv_topk_idx[static_cast<int64_t>(i) * kNumTopk + lane_idx] =
                         is_local ? expert - first_expert : -1;
                     if (args.recv_topk_weights != nullptr)
-                        args.recv_topk_weights[static_cast<int64_t>(i) * kNumTopk + lane_idx] = record_weights[lane_idx];
+                        args.recv_topk_weights[static_cast<int64_t>(i) * kNumTopk + lane_idx] =
+                            record_weights[lane_idx];
                     if (not args.is_cached) meta[2 + lane_idx] = -1;
                 }
             } else {

@@ -43,8 +43,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (i < num_recv_tokens) {
             int s = 0;
             while (psum_src[s + 1] <= i) ++s;
-            const char* record = window_base + kWorkspaceBytes +
-                                 (static_cast<int64_t>(s) * num_max_tokens_per_rank + (i - psum_src[s])) * Record::kBytes;
+            const char* record =
+                window_base + kWorkspaceBytes +
+                (static_cast<int64_t>(s) * num_max_tokens_per_rank + (i - psum_src[s])) * Record::kBytes;
             const int* record_topk = reinterpret_cast<const int*>(record + Record::kTopkIdxOffset);
 #pragma unroll
             for (int k = 0; k < kNumTopk; ++k)
