@@ -49,9 +49,9 @@ def arrival_block(num_max_tokens_per_rank: int) -> int:
 
 
 def tokens_per_group(num_tokens: int, num_ranks: int) -> int:
-    """Tokens per layout group of a fresh dispatch (a multiple of 32, one warp ballot each): as
-    small as the groups' first slots, `MAX_GROUP_INTS` per CTA, allow (a sending warp scans its
-    group up to its own tokens)."""
+    """Tokens per layout group of a fresh dispatch: the smallest multiple of 32 (one warp ballot)
+    for which groups x ranks fit the `MAX_GROUP_INTS` first slots that every dispatch CTA keeps in
+    shared memory. Small groups are cheap: a sending warp scans its group up to its own tokens."""
     num_pieces = -(-max(num_tokens, 1) // 32)
     return 32 * -(-num_pieces // (MAX_GROUP_INTS // num_ranks))
 
