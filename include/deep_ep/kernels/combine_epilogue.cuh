@@ -8,11 +8,11 @@
 // combine input itself (combine.cuh does not copy them).
 // Work is split into (token, part) items so that small batches still use many warps.
 // Launched with programmatic dependent launch while the combine still sends: before reading a
-// holder's row it waits for that row's arrival block (comm.cuh); tokens are taken in order, which
+// holder's row it waits for that row's arrival block (arrivals.cuh); tokens are taken in order, which
 // is the order their rows land in. The last CTA out returns the arrival counters to zero.
 
-#include "../common/bf16.cuh"
 #include "../common/arrivals.cuh"
+#include "../common/bf16.cuh"
 #include "../common/copy.cuh"
 #include "../common/fault.cuh"
 #include "../common/layout.cuh"

@@ -7,7 +7,7 @@
 // The order is fixed by the slots, so the output is deterministic by construction.
 // Records a rank sent itself hold only metadata: their payload is read from the dispatch input.
 // Launched with programmatic dependent launch while the dispatch still sends: it follows the
-// senders' count flags and arrival counters (comm.cuh), taking rows in slot order with the
+// senders' count flags and arrival counters (arrivals.cuh), taking rows in slot order with the
 // sources interleaved, which is the order they land in. The last CTA out returns the arrival
 // counters to zero. With `drain_only` it only waits for every record and resets (a dispatch whose
 // input was rejected after peers had already sent).
