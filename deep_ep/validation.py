@@ -122,15 +122,25 @@ def check_event(op: str, name: str, event: Any) -> EventHandle | None:
 
 
 def check_stream_args(
-    op: str, previous_event: Any, previous_event_before_epilogue: Any, allocate_on_comm_stream: bool
-) -> None:
-    """V2's rule: waiting on a previous event needs the outputs allocated on the communication stream."""
+    op: str,
+    previous_event: Any,
+    previous_event_before_epilogue: Any,
+    async_with_compute_stream: Any,
+    allocate_on_comm_stream: Any,
+) -> bool:
+    """Check the stream options of dispatch and combine; return `allocate_on_comm_stream` as a bool.
+
+    V2's rule: waiting on a previous event needs the outputs allocated on the communication stream.
+    """
+    allocate_on_comm_stream = as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream)
+    as_bool(op, "async_with_compute_stream", async_with_compute_stream)
     check_event(op, "previous_event", previous_event)
     check_event(op, "previous_event_before_epilogue", previous_event_before_epilogue)
     if previous_event is not None and not allocate_on_comm_stream:
         raise ValueError(
             f"{op}: `previous_event` needs `allocate_on_comm_stream`=True, got allocate_on_comm_stream=False"
         )
+    return allocate_on_comm_stream
 
 
 def check_handle(op: str, ctx: ValidationContext, handle: Any) -> EPHandle:
@@ -226,9 +236,9 @@ def validate_dispatch(
 ) -> DispatchRequest:
     """Check every argument of `ElasticBuffer.dispatch` and return the normalized request."""
     op = "dispatch"
-    allocate_on_comm_stream = as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream)
-    as_bool(op, "async_with_compute_stream", async_with_compute_stream)
-    check_stream_args(op, previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
+    allocate_on_comm_stream = check_stream_args(
+        op, previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream
+    )
     do_expand = as_bool(op, "do_expand", do_expand)
     do_zero_padding = as_bool(op, "do_zero_padding", do_zero_padding)
     use_tma_aligned_col_major_sf = as_bool(op, "use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
@@ -360,9 +370,9 @@ def validate_combine(
 ) -> CombineRequest:
     """Check every argument of `ElasticBuffer.combine` and return the normalized request."""
     op = "combine"
-    allocate_on_comm_stream = as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream)
-    as_bool(op, "async_with_compute_stream", async_with_compute_stream)
-    check_stream_args(op, previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
+    allocate_on_comm_stream = check_stream_args(
+        op, previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream
+    )
     num_sms = as_int(op, "num_sms", num_sms)
     num_qps = as_int(op, "num_qps", num_qps)
     handle = check_handle(op, ctx, handle)
