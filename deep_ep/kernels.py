@@ -23,6 +23,7 @@ class DispatchArgs(ctypes.Structure):
     """Mirror of `deep_ep::DispatchArgs` (dispatch.cuh), passed by value."""
 
     _fields_ = [
+        ("window_base", ctypes.c_uint64),
         ("x", ctypes.c_uint64),
         ("x_scales", ctypes.c_uint64),
         ("topk_idx", ctypes.c_uint64),
@@ -81,6 +82,7 @@ class CombineArgs(ctypes.Structure):
     """Mirror of `deep_ep::CombineArgs` (combine.cuh), passed by value."""
 
     _fields_ = [
+        ("window_base", ctypes.c_uint64),
         ("x", ctypes.c_uint64),
         ("topk_weights", ctypes.c_uint64),
         ("recv_src_metadata", ctypes.c_uint64),

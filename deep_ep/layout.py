@@ -15,6 +15,9 @@ SEMAPHORE_OFFSET = 0
 RECV_COUNT_OFFSET = SEMAPHORE_OFFSET + MAX_CHANNELS * MAX_RANKS * 4
 STATUS_OFFSET = RECV_COUNT_OFFSET + MAX_RANKS * 4
 EPILOGUE_DONE_OFFSET = STATUS_OFFSET + 8
+EPOCH_OFFSET = EPILOGUE_DONE_OFFSET + 4
+CREDIT_OFFSET = STATUS_OFFSET + 64
+PEER_WINDOWS_OFFSET = CREDIT_OFFSET + MAX_RANKS * 4
 RECV_EXPERT_COUNT_OFFSET = 128 * 1024
 ARRIVAL_OFFSET = 384 * 1024
 MAX_ARRIVAL_BLOCKS = 512  # arrival counters per source rank
@@ -29,9 +32,9 @@ DISPATCH_SCRATCH_INTS = 32 + MAX_CHANNELS + MAX_GROUP_INTS + MAX_RANKS * MAX_LOC
 ERROR_WORDS = ("status", "phase", "rank", "peer", "channel", "observed", "expected")
 PHASES = {
     1: "barrier",
-    2: "dispatch entry barrier",
+    2: "dispatch entry (peer window credit)",
     3: "dispatch arrivals",
-    4: "combine entry barrier",
+    4: "combine entry (peer window credit)",
     5: "combine arrivals",
     6: "dispatch grid barrier",
     7: "dispatch counts",

@@ -9,8 +9,9 @@ dispatch and combine as a fixed sequence of kernels on the stream it is given:
     combine:  combine (NVLink) -> combine epilogue
 
 Epilogues are launched with programmatic dependent launch and follow the senders' arrival
-counters, so they run while the data is still on the wire. Without CPU sync nothing waits on the
-host, so the sequence can be captured in a CUDA graph.
+counters, so they run while the data is still on the wire; each ends by posting this rank's
+window credit, which the peers' next communication kernel waits for instead of an entry barrier.
+Without CPU sync nothing waits on the host, so the sequence can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -247,8 +248,8 @@ class NvlinkRuntime:
             if cumulative_stats is not None:
                 cumulative_stats.add_(num_recv_per_expert)
         dispatch_args = kernels.DispatchArgs(
-            x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-            slot_idx=_ptr(slot_idx), dst_slot_idx=_ptr(dst_slot_idx),
+            window_base=self.window.ptr, x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx),
+            topk_weights=_ptr(topk_weights), slot_idx=_ptr(slot_idx), dst_slot_idx=_ptr(dst_slot_idx),
             layout_scratch=_ptr(self.dispatch_scratch), num_tokens_per_rank=_ptr(num_tokens_per_rank),
             num_recv_tokens_per_expert=_ptr(num_recv_per_expert),
             counts_out=_ptr(self.device_counts) if (cached is None and do_cpu_sync) else 0,
@@ -431,7 +432,8 @@ class NvlinkRuntime:
             combined_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=x.device)
 
         combine_args = kernels.CombineArgs(
-            x=_ptr(x), topk_weights=_ptr(topk_weights), recv_src_metadata=_ptr(recv_src_metadata),
+            window_base=self.window.ptr, x=_ptr(x), topk_weights=_ptr(topk_weights),
+            recv_src_metadata=_ptr(recv_src_metadata),
             psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank),
             num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
             rows_per_task=rows_per_task(num_tokens * self.num_ranks, num_sms, 2), arrival_block=arrival_slots,
@@ -439,25 +441,25 @@ class NvlinkRuntime:
         kernels.load(kernels.combine_spec(self.num_ranks, hidden, num_topk, num_rows, do_expand)).launch(
             grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
             args=(Opaque(self.dev_comm.raw), U64(self.window.handle), Opaque(bytes(combine_args))))  # fmt: skip
-        if num_tokens > 0:
-            epilogue_args = kernels.CombineEpilogueArgs(
-                window_base=self.window.ptr, topk_idx=_ptr(topk_idx), slot_idx=_ptr(state.slot_idx),
-                bias_0=_ptr(bias_0), bias_1=_ptr(bias_1), combined_x=_ptr(combined_x),
-                combined_topk_weights=_ptr(combined_w), local_x=0 if do_expand else _ptr(x),
-                local_topk_weights=0 if do_expand else _ptr(topk_weights),
-                psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank),
-                num_tokens_per_rank=_ptr(state.num_tokens_per_rank), num_tokens=num_tokens,
-                num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts,
-                rank=self.rank, arrival_block=arrival_slots, error_block=_ptr(self.error_block),
-                timeout_ns=self.timeout_ns)  # fmt: skip
-            grid = self._grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
-            kernels.load(kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows)).launch(
-                grid=(grid,),
-                block=(kernels.NUM_THREADS,),
-                stream=stream,
-                args=(Opaque(bytes(epilogue_args)),),
-                pdl=True,
-            )
+        # Always, even with no tokens here: the epilogue posts our window credit (credits.cuh)
+        epilogue_args = kernels.CombineEpilogueArgs(
+            window_base=self.window.ptr, topk_idx=_ptr(topk_idx), slot_idx=_ptr(state.slot_idx),
+            bias_0=_ptr(bias_0), bias_1=_ptr(bias_1), combined_x=_ptr(combined_x),
+            combined_topk_weights=_ptr(combined_w), local_x=0 if do_expand else _ptr(x),
+            local_topk_weights=0 if do_expand else _ptr(topk_weights),
+            psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank),
+            num_tokens_per_rank=_ptr(state.num_tokens_per_rank), num_tokens=num_tokens,
+            num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts_per_rank=num_local_experts,
+            rank=self.rank, arrival_block=arrival_slots, error_block=_ptr(self.error_block),
+            timeout_ns=self.timeout_ns)  # fmt: skip
+        grid = self._grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
+        kernels.load(kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows)).launch(
+            grid=(grid,),
+            block=(kernels.NUM_THREADS,),
+            stream=stream,
+            args=(Opaque(bytes(epilogue_args)),),
+            pdl=True,
+        )
         return combined_x, combined_w
 
     # ---------------------------------------------------------------- teardown

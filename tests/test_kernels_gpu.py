@@ -260,6 +260,35 @@ def test_kernels_200_iterations_no_memory_growth_and_20_recreations():
     print(f"\nendurance: 200 round trips + 20 recreations, memory {memory}, seed {seed}")
 
 
+def _epoch_wrap_rank(rank, num_ranks, seed):
+    from deep_ep.layout import CREDIT_OFFSET, EPOCH_OFFSET
+
+    buffers = {b: _buffer(b, 128, 2048) for b in ("kernels", "reference")}
+    # Start every rank's epoch and credits 3 operations before int32 wraps around
+    words = buffers["kernels"].backend.runtime.window.bytes[: CREDIT_OFFSET + 4 * num_ranks].view(torch.int32)
+    start = 2**31 - 3
+    words[EPOCH_OFFSET // 4] = start
+    words[CREDIT_OFFSET // 4 :] = start
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+    for i in range(4):
+        _roundtrip(buffers, rank, num_ranks, 100, seed + i, gen, expand=i % 2 == 1)
+    torch.cuda.synchronize()
+    epoch, credits = int(words[EPOCH_OFFSET // 4]), words[CREDIT_OFFSET // 4 :].tolist()
+    for buf in buffers.values():
+        buf.destroy()
+    return epoch, credits
+
+
+def test_kernels_window_credits_wrap_around():
+    seed = time.time_ns() % 100000
+    results = spawn_ranks(_epoch_wrap_rank, 2, backend="nccl", args=(seed,), timeout_s=300)
+    # 4 round trips = 8 operations, each counted once by every rank and credited to every rank
+    wrapped = 2**31 - 3 + 8 - 2**32
+    assert results == [(wrapped, [wrapped, wrapped])] * 2, results
+
+
 # ---------------------------------------------------------------------------- faults
 
 

@@ -20,6 +20,9 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kRecvCountOffset == {layout.RECV_COUNT_OFFSET + offset_delta});",
         f"static_assert(deep_ep::kStatusOffset == {layout.STATUS_OFFSET});",
         f"static_assert(deep_ep::kEpilogueDoneOffset == {layout.EPILOGUE_DONE_OFFSET});",
+        f"static_assert(deep_ep::kEpochOffset == {layout.EPOCH_OFFSET});",
+        f"static_assert(deep_ep::kCreditOffset == {layout.CREDIT_OFFSET});",
+        f"static_assert(deep_ep::kPeerWindowsOffset == {layout.PEER_WINDOWS_OFFSET});",
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
         f"static_assert(deep_ep::kArrivalOffset == {layout.ARRIVAL_OFFSET});",
         f"static_assert(deep_ep::kMaxArrivalBlocks == {layout.MAX_ARRIVAL_BLOCKS});",
@@ -43,8 +46,8 @@ def _assertions(offset_delta: int = 0) -> str:
         lines += [f"static_assert({slot}::kBytes == {py.num_bytes});",
                   f"static_assert({slot}::kWeightOffset == {py.weight_offset});"]  # fmt: skip
     for code, name in layout.PHASES.items():
-        constant = {"barrier": "kPhaseBarrier", "dispatch entry barrier": "kPhaseDispatchEntry",
-                    "dispatch arrivals": "kPhaseDispatchArrival", "combine entry barrier": "kPhaseCombineEntry",
+        constant = {"barrier": "kPhaseBarrier", "dispatch entry (peer window credit)": "kPhaseDispatchEntry",
+                    "dispatch arrivals": "kPhaseDispatchArrival", "combine entry (peer window credit)": "kPhaseCombineEntry",
                     "combine arrivals": "kPhaseCombineArrival", "dispatch grid barrier": "kPhaseDispatchGrid",
                     "dispatch counts": "kPhaseDispatchCounts"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")

@@ -15,19 +15,27 @@
 
 namespace deep_ep {
 
-// One thread waits until `*counter >= expected` (acquire: what was released before the counter's
-// increments is visible to this thread, and to its warp after a __syncwarp). Returns false when
-// the deadline passed or another wait of this buffer failed; the error is then recorded.
+// One thread waits until `*counter >= expected`, compared as a difference so that counters may
+// wrap around (acquire: what was released before the counter's increments is visible to this
+// thread, and to its warp after a __syncwarp). Returns false when the deadline passed or another
+// wait of this buffer failed; the error is then recorded. Polls back off a little: hundreds of
+// warps spinning on a few counters load the L2 slices that also take the incoming NVLink writes.
+__device__ __forceinline__ bool counter_reached(int observed, int expected) {
+    return static_cast<int>(static_cast<unsigned>(observed) - static_cast<unsigned>(expected)) >= 0;
+}
+
 __device__ __forceinline__ bool wait_counter(const int* counter, int expected, const FaultSink& fault, int phase,
                                              int rank, int peer, int channel, uint64_t timeout_ns) {
+    constexpr unsigned kPollBackoffNs = 200;
     int observed = ld_acquire_sys(counter);
-    if (observed >= expected) return true;
+    if (counter_reached(observed, expected)) return true;
     const uint64_t deadline = global_timer_ns() + timeout_ns;
-    while ((observed = ld_acquire_sys(counter)) < expected) {
+    while (not counter_reached(observed = ld_acquire_sys(counter), expected)) {
         if (fault.has_error() || global_timer_ns() > deadline) {
             fault.report_timeout(phase, rank, peer, channel, observed, expected);
             return false;
         }
+        __nanosleep(kPollBackoffNs);
     }
     return true;
 }
@@ -53,21 +61,11 @@ __device__ __forceinline__ int arrival_block_size(int num_slots, int block, int 
     return min(arrival_block, num_slots - block * arrival_block);
 }
 
-// The last CTA of an epilogue to finish returns the arrival counters of the blocks that were used
-// (`num_slots(s)` slots from each source s) and the exit counter to zero, so the next kernel pair
-// starts from zero. Every thread of every CTA calls it once, after its last wait on a counter.
+// Returns the arrival counters of the blocks that were used (`num_slots(s)` slots from each source
+// s) to zero, so the next kernel pair starts from zero. Every thread of one CTA calls it, once
+// every wait on these counters is over.
 template <int kNumRanks, typename NumSlots>
-__device__ __forceinline__ void reset_arrivals_when_last(char* window, int arrival_block, NumSlots num_slots) {
-    __shared__ bool is_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* done = reinterpret_cast<int*>(window + kEpilogueDoneOffset);
-        __threadfence();  // our CTA's counter reads come before the last CTA's zeroing
-        is_last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;
-        if (is_last) *done = 0;
-    }
-    __syncthreads();
-    if (not is_last) return;
+__device__ __forceinline__ void reset_arrival_counters(char* window, int arrival_block, NumSlots num_slots) {
     for (int s = 0; s < kNumRanks; ++s) {
         int* counters = arrival_counters(window, s);
         const int num_blocks = ceil_div(num_slots(s), arrival_block);

@@ -8,8 +8,9 @@
 
 #include <nccl_device.h>
 
-#include "fault.cuh"
 #include "arrivals.cuh"
+#include "credits.cuh"
+#include "fault.cuh"
 #include "layout.cuh"
 #include "ptx.cuh"
 
@@ -83,6 +84,24 @@ template <int kNumRanks>
 __device__ __forceinline__ void load_peer_windows(ncclWindow_t window, void** smem_peer_windows) {
     if (threadIdx.x < kNumRanks) smem_peer_windows[threadIdx.x] = ncclGetLsaPointer(window, 0, threadIdx.x);
     __syncthreads();
+}
+
+// A communication kernel's entry: the LSA base pointers of every rank's window into shared memory,
+// and the wait until every peer's window takes our writes (credits.cuh), with both sets of loads
+// in flight together. CTA 0 also leaves the pointers in our workspace for the epilogue, which
+// posts our credits but is built without NCCL. `own_window` is our window base. Every thread of the
+// CTA calls it; returns false (on every thread) when a peer missed the deadline.
+template <int kNumRanks>
+__device__ __forceinline__ bool open_peer_windows(ncclWindow_t window, char* own_window, void** smem_peer_windows,
+                                                  int rank, int phase, const FaultSink& fault, uint64_t timeout_ns) {
+    bool ok = true;
+    if (threadIdx.x < kNumRanks) {
+        void* peer_window = ncclGetLsaPointer(window, 0, threadIdx.x);
+        ok = wait_window_credit(own_window, threadIdx.x, rank, phase, fault, timeout_ns);
+        smem_peer_windows[threadIdx.x] = peer_window;
+        if (blockIdx.x == 0) reinterpret_cast<void**>(own_window + kPeerWindowsOffset)[threadIdx.x] = peer_window;
+    }
+    return __syncthreads_and(ok);
 }
 
 }  // namespace deep_ep

@@ -4,8 +4,9 @@
 // deep_ep/layout.py mirrors every constant here; a CPU test checks that the two agree.
 //
 //   window = [workspace | data region]
-//   workspace: per-CTA, per-source-rank counting semaphores, per-source received token counts,
-//              status, epilogue exit counter, per-(source, local expert) received counts,
+//   workspace: per-CTA, per-source-rank counting semaphores (the standalone barrier), per-source
+//              received token counts, status, epilogue exit counter, epoch, per-peer window
+//              credits, the peers' window pointers, per-(source, local expert) received counts,
 //              per-(source, slot block) arrival counters
 //   data region: kNumRanks source blocks of `num_max_tokens_per_rank` slots each; a source owns
 //                its block in every destination, so it places tokens without asking anyone.
@@ -27,6 +28,14 @@ constexpr int64_t kRecvCountOffset = kSemaphoreOffset + int64_t(kMaxChannels) * 
 constexpr int64_t kStatusOffset = kRecvCountOffset + kMaxRanks * sizeof(int);
 // CTAs of the running epilogue that are done: the last one returns the arrival counters to zero.
 constexpr int64_t kEpilogueDoneOffset = kStatusOffset + 8;
+// Dispatches and combines this rank has completed on the window (its epilogues count them), and
+// per peer the count that peer has completed: a peer's window takes our next records only once
+// it is done with what we sent before (credits.cuh). Both wrap around.
+constexpr int64_t kEpochOffset = kEpilogueDoneOffset + 4;
+constexpr int64_t kCreditOffset = kStatusOffset + 64;
+// The LSA pointers of every rank's window, left here by each communication kernel for its
+// epilogue (which is built without NCCL) to post the credits
+constexpr int64_t kPeerWindowsOffset = kCreditOffset + kMaxRanks * sizeof(int);
 // Senders publish how many of their tokens go to each of our local experts, so no receiver-side
 // pass over the records is needed to count them.
 constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
@@ -37,7 +46,9 @@ constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
 constexpr int64_t kArrivalOffset = 384 * 1024;
 constexpr int kMaxArrivalBlocks = 512;  // per source rank
 constexpr int64_t kWorkspaceBytes = 512 * 1024;
-static_assert(kStatusOffset % 8 == 0 and kEpilogueDoneOffset + 4 <= kRecvExpertCountOffset, "workspace overflow");
+static_assert(kStatusOffset % 8 == 0 and kEpochOffset + 4 <= kCreditOffset, "workspace overflow");
+static_assert(kPeerWindowsOffset % 8 == 0 and kPeerWindowsOffset + kMaxRanks * 8 <= kRecvExpertCountOffset,
+              "workspace overflow");
 static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kArrivalOffset,
               "workspace overflow");
 static_assert(kArrivalOffset + int64_t(kMaxRanks) * kMaxArrivalBlocks * sizeof(int) <= kWorkspaceBytes,

@@ -10,19 +10,22 @@
 // slot-major with the sources interleaved (task i goes to CTA i mod G), so every source's slots
 // fill in order over time. After a task the warp releases its rows with one fence and adds them to
 // the source's arrival counters: the source's epilogue reduces the rows that have landed while the
-// rest are on the wire. There is no exit barrier.
+// rest are on the wire. There is no exit barrier, and no entry barrier: every CTA starts by
+// checking each source's window credit (credits.cuh).
 
 #include <nccl_device.h>
 
 #include "../common/bf16.cuh"
 #include "../common/comm.cuh"
 #include "../common/copy.cuh"
+#include "../common/credits.cuh"
 #include "../common/layout.cuh"
 #include "../common/ptx.cuh"
 
 namespace deep_ep {
 
 struct CombineArgs {
+    char* window_base;          // this rank's window
     const int4* x;              // BF16 rows to send back
     const float* topk_weights;  // plain: [rows, topk]; expanded: [rows]; may be null
     const int* recv_src_metadata;
@@ -50,16 +53,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     __shared__ void* peer_windows[kNumRanks];
     __shared__ int psum_src[kNumRanks + 1];
-    load_peer_windows<kNumRanks>(window, peer_windows);
     if (threadIdx.x == 0) {
         psum_src[0] = 0;
         for (int s = 0; s < kNumRanks; ++s) psum_src[s + 1] = args.psum_num_recv_tokens_per_rank[s];
     }
-
-    // Wait for peers: their previous kernels reading this window are done
+    // Sources' windows take our rows once they are done with what we sent before
     const int channel = blockIdx.x;
-    if (!channel_barrier<kNumRanks>(peer_windows, args.rank, channel, kPhaseCombineEntry, args.error_block,
-                                    args.timeout_ns))
+    const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
+    if (!open_peer_windows<kNumRanks>(window, args.window_base, peer_windows, args.rank, kPhaseCombineEntry, fault,
+                                      args.timeout_ns))
         return;
 
     // The epilogue may launch now (programmatic dependent launch); it follows the arrival counters

@@ -9,11 +9,13 @@
 // Work is split into (token, part) items so that small batches still use many warps.
 // Launched with programmatic dependent launch while the combine still sends: before reading a
 // holder's row it waits for that row's arrival block (arrivals.cuh); tokens are taken in order, which
-// is the order their rows land in. The last CTA out returns the arrival counters to zero.
+// is the order their rows land in. The last CTA out returns the arrival counters to zero and
+// posts our window credit to the peers (credits.cuh).
 
 #include "../common/arrivals.cuh"
 #include "../common/bf16.cuh"
 #include "../common/copy.cuh"
+#include "../common/credits.cuh"
 #include "../common/fault.cuh"
 #include "../common/layout.cuh"
 #include "../common/ptx.cuh"
@@ -131,10 +133,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
         }
     }
 
-    reset_arrivals_when_last<kNumRanks>(args.window_base, args.arrival_block,
-                                        [&](int d) { return args.num_tokens_per_rank[d]; });
-    // Complete only after the combine kernel, as a plain launch would
-    griddep_wait();
+    // The last CTA out also makes the kernel complete only after the combine kernel, as a plain
+    // launch would
+    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, false,
+                               [&](int d) { return args.num_tokens_per_rank[d]; });
 }
 
 }  // namespace deep_ep

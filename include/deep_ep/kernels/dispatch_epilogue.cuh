@@ -9,13 +9,15 @@
 // Launched with programmatic dependent launch while the dispatch still sends: it follows the
 // senders' count flags and arrival counters (arrivals.cuh), taking rows in slot order with the
 // sources interleaved, which is the order they land in. The last CTA out returns the arrival
-// counters to zero. With `drain_only` it only waits for every record and resets (a dispatch whose
-// input was rejected after peers had already sent).
+// counters and count flags to zero and posts our window credit to the peers (credits.cuh). With
+// `drain_only` it only waits for every record and resets (a dispatch whose input was rejected
+// after peers had already sent).
 
 #include <cub/block/block_scan.cuh>
 
 #include "../common/arrivals.cuh"
 #include "../common/copy.cuh"
+#include "../common/credits.cuh"
 #include "../common/fault.cuh"
 #include "../common/layout.cuh"
 #include "../common/math.cuh"
@@ -235,9 +237,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
         }
     }
 
-    reset_arrivals_when_last<kNumRanks>(args.window_base, args.arrival_block, [&](int s) { return num_recv[s]; });
-    // Complete only after the dispatch kernel (its handle outputs), as a plain launch would
-    griddep_wait();
+    // The last CTA out also makes the kernel complete only after the dispatch kernel (its handle
+    // outputs), as a plain launch would
+    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, true,
+                               [&](int s) { return num_recv[s]; });
 }
 
 }  // namespace deep_ep

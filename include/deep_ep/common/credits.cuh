@@ -1,0 +1,66 @@
+#pragma once
+
+// Window credits: when a communication kernel may write into a peer's window. A rank's epilogue,
+// once it and the communication kernel before it have read everything the peers sent, counts the
+// operation in its epoch and posts the new epoch to every peer's credit word for it. The next
+// communication kernel of a peer writes only once its credit word for us has reached its own
+// epoch: both ranks run the same sequence of dispatches and combines, so equal epochs mean we are
+// done with the previous one. The credit is posted at the end of an operation, so in steady state
+// it is already there when the next one starts: no entry barrier, no round trip before sending.
+// Plain device memory operations only (no NCCL), so epilogues include it.
+
+#include "arrivals.cuh"
+#include "fault.cuh"
+#include "layout.cuh"
+#include "ptx.cuh"
+
+namespace deep_ep {
+
+__device__ __forceinline__ int* window_credits(void* window) {
+    return reinterpret_cast<int*>(static_cast<char*>(window) + kCreditOffset);
+}
+
+// One thread waits until `peer`'s window takes our writes: its credit for us has reached our
+// epoch, which our previous epilogue counted before this kernel started. `own_window` is our
+// window base. Returns false when the deadline passed (the error is recorded).
+__device__ __forceinline__ bool wait_window_credit(char* own_window, int peer, int rank, int phase,
+                                                   const FaultSink& fault, uint64_t timeout_ns) {
+    const int epoch = *reinterpret_cast<const int*>(own_window + kEpochOffset);
+    return wait_counter(window_credits(own_window) + peer, epoch, fault, phase, rank, peer, blockIdx.x, timeout_ns);
+}
+
+// The end of every epilogue: every thread of every CTA calls it once, after its last read of the
+// window. The last CTA out waits for the communication kernel to complete (programmatic dependent
+// launch: until then it may still read the count flags), returns the arrival counters
+// (`num_slots(s)` slots from each source s) and, with `clear_recv_counts`, the dispatch count flags
+// to zero, counts the operation in the epoch and posts it to every rank as our credit.
+template <int kNumRanks, typename NumSlots>
+__device__ __forceinline__ void finish_epilogue(char* window, int rank, int arrival_block, bool clear_recv_counts,
+                                                NumSlots num_slots) {
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* done = reinterpret_cast<int*>(window + kEpilogueDoneOffset);
+        __threadfence();  // our CTA's reads of the window come before the last CTA's zeroing
+        is_last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;
+        if (is_last) *done = 0;
+    }
+    __syncthreads();
+    if (not is_last) return;
+    griddep_wait();
+    reset_arrival_counters<kNumRanks>(window, arrival_block, num_slots);
+    if (clear_recv_counts and threadIdx.x < kNumRanks)
+        reinterpret_cast<int*>(window + kRecvCountOffset)[threadIdx.x] = 0;
+    int* epoch_word = reinterpret_cast<int*>(window + kEpochOffset);
+    const int epoch = static_cast<int>(static_cast<unsigned>(*epoch_word) + 1u);
+    __syncthreads();
+    if (threadIdx.x == 0) *epoch_word = epoch;
+    if (threadIdx.x < kNumRanks) {
+        void* peer = reinterpret_cast<void* const*>(window + kPeerWindowsOffset)[threadIdx.x];
+        // The CTA's resets (ordered before this thread by the barrier) and the epoch first
+        fence_acq_rel_sys();
+        st_relaxed_sys(window_credits(peer) + rank, epoch);
+    }
+}
+
+}  // namespace deep_ep
