@@ -27,6 +27,25 @@ __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
     return out;
 }
 
+// One part of a row (`kUnroll` vectors per lane, every load in flight before the first use), and
+// its sum into FP32 accumulators; lanes past the row's end load and add nothing.
+template <int kNumVectors, int kUnroll>
+__device__ __forceinline__ void load_part(int lane_idx, int part, const int4* row, int4 (&values)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int v = part * 32 * kUnroll + u * 32 + lane_idx;
+        if (v < kNumVectors) values[u] = ld_nc_v4(row + v);
+    }
+}
+
+template <int kNumVectors, int kUnroll>
+__device__ __forceinline__ void add_part(int lane_idx, int part, float (&acc)[kUnroll][8],
+                                         const int4 (&values)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+        if (part * 32 * kUnroll + u * 32 + lane_idx < kNumVectors) add_bf16x8(acc[u], values[u]);
+}
+
 // Sums rows into `acc` for one part of `kUnroll` vectors per lane: `for_each_row(accumulate)`
 // calls `accumulate(row)` for every source row in the contract's order.
 template <int kNumVectors, int kUnroll, typename ForEachRow>
@@ -37,14 +56,8 @@ __device__ __forceinline__ void reduce_part(int lane_idx, int part, float (&acc)
         for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
     for_each_row([&](const int4* row) {
         int4 values[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int v = part * 32 * kUnroll + u * 32 + lane_idx;
-            if (v < kNumVectors) values[u] = ld_nc_v4(row + v);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            if (part * 32 * kUnroll + u * 32 + lane_idx < kNumVectors) add_bf16x8(acc[u], values[u]);
+        load_part<kNumVectors, kUnroll>(lane_idx, part, row, values);
+        add_part<kNumVectors, kUnroll>(lane_idx, part, acc, values);
     });
 }
 

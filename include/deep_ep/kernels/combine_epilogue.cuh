@@ -9,8 +9,10 @@
 // Work is split into (token, part) items so that small batches still use many warps.
 // Launched with programmatic dependent launch while the combine still sends: before reading a
 // holder's row it waits for that row's arrival block (arrivals.cuh); tokens are taken in order, which
-// is the order their rows land in. The last CTA out returns the arrival counters to zero and
-// posts our window credit to the peers (credits.cuh).
+// is the order their rows land in. An item loads its token's slots once (kept in lanes) and this
+// rank's own row before it waits, so only the holders' rows are read after they land. The last
+// CTA out returns the arrival counters to zero and posts our window credit to the peers
+// (credits.cuh).
 
 #include "../common/arrivals.cuh"
 #include "../common/bf16.cuh"
@@ -62,14 +64,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
         ready_block[j] = -1;
     }
     const int own_rows_begin = args.rank == 0 ? 0 : args.psum_num_recv_tokens_per_rank[args.rank - 1];
-    auto slot_of = [&](int t, int d) {
+    const bool has_local_rows = args.local_x != nullptr;
+    auto slot_at = [&](int d, int slot) {
         return args.window_base + kWorkspaceBytes +
-               (static_cast<int64_t>(d) * args.num_max_tokens_per_rank +
-                args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d]) *
-                   Slot::kBytes;
-    };
-    auto own_row = [&](int t) {
-        return own_rows_begin + args.slot_idx[static_cast<int64_t>(t) * kNumRanks + args.rank];
+               (static_cast<int64_t>(d) * args.num_max_tokens_per_rank + slot) * Slot::kBytes;
     };
 
     const int num_items = args.num_tokens * kNumParts;
@@ -78,14 +76,31 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
         const int t = item / kNumParts, part = item % kNumParts;
         const int64_t expert = lane_idx < kNumTopk ? args.topk_idx[static_cast<int64_t>(t) * kNumTopk + lane_idx] : -1;
         const int holder = expert >= 0 ? static_cast<int>(expert / args.num_experts_per_rank) : -1;
+        // Lane d % 32: the token's slot at holder d (in our window, or its row in `local_x`)
+        int slot[kRanksPerLane];
+#pragma unroll
+        for (int j = 0; j < kRanksPerLane; ++j)
+            slot[j] = j * 32 + lane_idx < kNumRanks
+                          ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + j * 32 + lane_idx]
+                          : -1;
+        auto slot_of_rank = [&](int d) { return __shfl_sync(0xffffffff, slot[d / 32], d % 32); };
 
-        // Wait until every holder's row of `t` has landed (own rows in `local_x` are always here)
+        // This rank's own row is here already: load it while the holders' rows may still be on the wire
+        const bool is_own_holder = has_local_rows and __ballot_sync(0xffffffff, holder == args.rank) != 0;
+        int4 own_values[kUnroll];
+        if (is_own_holder)
+            load_part<kRowVectors, kUnroll>(
+                lane_idx, part,
+                args.local_x + static_cast<int64_t>(own_rows_begin + slot_of_rank(args.rank)) * kRowVectors,
+                own_values);
+
+        // Wait until every other holder's row of `t` has landed
         bool lane_ok = true;
 #pragma unroll
         for (int d = 0; d < kNumRanks; ++d) {
             const bool is_holder = __ballot_sync(0xffffffff, holder == d) != 0;
-            if (is_holder and lane_idx == d % 32 and not(d == args.rank and args.local_x != nullptr)) {
-                const int block = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] / args.arrival_block;
+            if (is_holder and lane_idx == d % 32 and not(d == args.rank and has_local_rows)) {
+                const int block = slot[d / 32] / args.arrival_block;
                 if (block != ready_block[d / 32]) {
                     lane_ok = wait_counter(arrival_counters(args.window_base, d) + block,
                                            arrival_block_size(num_sent[d / 32], block, args.arrival_block), fault,
@@ -98,38 +113,52 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
         warp_ok = __all_sync(0xffffffff, lane_ok);
         if (not warp_ok) break;
 
-        float acc[kUnroll][8];
-        reduce_part<kRowVectors, kUnroll>(lane_idx, part, acc, [&](auto accumulate) {
+        // Holder ranks ascending (lanes ascending inside one), then the biases
+        float acc[kUnroll][8] = {};
+        int4 values[kUnroll];
 #pragma unroll
-            for (int d = 0; d < kNumRanks; ++d) {
-                const int num_lanes = __popc(__ballot_sync(0xffffffff, holder == d));
-                if (num_lanes == 0) continue;
-                if (d == args.rank and args.local_x != nullptr) {
-                    accumulate(args.local_x + static_cast<int64_t>(own_row(t)) * kRowVectors);
-                    continue;
-                }
-                const char* slot = slot_of(t, d);
-                for (int j = 0; j < (kNumRows == 1 ? 1 : num_lanes); ++j)
-                    accumulate(reinterpret_cast<const int4*>(slot + j * Slot::kRowBytes));
+        for (int d = 0; d < kNumRanks; ++d) {
+            const int num_lanes = __popc(__ballot_sync(0xffffffff, holder == d));
+            if (num_lanes == 0) continue;
+            if (d == args.rank and has_local_rows) {
+                add_part<kRowVectors, kUnroll>(lane_idx, part, acc, own_values);
+                continue;
             }
-            if (args.bias_0 != nullptr) accumulate(args.bias_0 + static_cast<int64_t>(t) * kRowVectors);
-            if (args.bias_1 != nullptr) accumulate(args.bias_1 + static_cast<int64_t>(t) * kRowVectors);
-        });
+            const char* slot_row = slot_at(d, slot_of_rank(d));
+            for (int j = 0; j < (kNumRows == 1 ? 1 : num_lanes); ++j) {
+                load_part<kRowVectors, kUnroll>(lane_idx, part,
+                                                reinterpret_cast<const int4*>(slot_row + j * Slot::kRowBytes), values);
+                add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
+            }
+        }
+        for (const int4* bias : {args.bias_0, args.bias_1}) {
+            if (bias == nullptr) continue;
+            load_part<kRowVectors, kUnroll>(lane_idx, part, bias + static_cast<int64_t>(t) * kRowVectors, values);
+            add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
+        }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int v = part * 32 * kUnroll + u * 32 + lane_idx;
             if (v < kRowVectors) args.combined_x[static_cast<int64_t>(t) * kRowVectors + v] = round_bf16x8(acc[u]);
         }
 
-        if (part == 0 and args.combined_topk_weights != nullptr and lane_idx < kNumTopk) {
-            float weight = 0.0f;
-            if (holder == args.rank and args.local_x != nullptr) {
-                if (args.local_topk_weights != nullptr)
-                    weight = args.local_topk_weights[static_cast<int64_t>(own_row(t)) * kNumTopk + lane_idx];
-            } else if (holder >= 0) {
-                weight = reinterpret_cast<const float*>(slot_of(t, holder) + Slot::kWeightOffset)[lane_idx];
+        if (part == 0 and args.combined_topk_weights != nullptr) {
+            // Every lane takes part in the shuffles; lanes past top-k write nothing
+            int holder_slot = -1;
+#pragma unroll
+            for (int j = 0; j < kRanksPerLane; ++j) {
+                const int value = __shfl_sync(0xffffffff, slot[j], (holder < 0 ? 0 : holder) % 32);
+                if (holder >= 0 and holder / 32 == j) holder_slot = value;
             }
-            args.combined_topk_weights[static_cast<int64_t>(t) * kNumTopk + lane_idx] = weight;
+            float weight = 0.0f;
+            if (holder == args.rank and has_local_rows) {
+                if (args.local_topk_weights != nullptr)
+                    weight = args.local_topk_weights[static_cast<int64_t>(own_rows_begin + holder_slot) * kNumTopk +
+                                                     lane_idx];
+            } else if (holder >= 0) {
+                weight = reinterpret_cast<const float*>(slot_at(holder, holder_slot) + Slot::kWeightOffset)[lane_idx];
+            }
+            if (lane_idx < kNumTopk) args.combined_topk_weights[static_cast<int64_t>(t) * kNumTopk + lane_idx] = weight;
         }
     }
 
