@@ -61,6 +61,8 @@ constexpr int kScratchArrive = 0;
 constexpr int kScratchGeneration = 1;
 // Token groups x destination ranks: every dispatch CTA keeps the groups' first slots in shared memory
 constexpr int kMaxGroupInts = 4096;
+// Experts whose token counts every fresh dispatch CTA gathers in shared memory first
+constexpr int kMaxSharedExpertCounts = 4096;
 constexpr int kScratchChannelBad = 32;
 constexpr int kScratchGroupCounts = kScratchChannelBad + kMaxChannels;
 constexpr int kScratchExpertCounts = kScratchGroupCounts + kMaxGroupInts;
