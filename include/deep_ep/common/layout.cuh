@@ -5,9 +5,9 @@
 //
 //   window = [workspace | data region]
 //   workspace: per-CTA, per-source-rank counting semaphores (the standalone barrier), per-source
-//              received token counts, status, epilogue exit counter, epoch, per-peer window
-//              credits, the peers' window pointers, per-(source, local expert) received counts,
-//              per-(source, slot block) arrival counters
+//              received token counts, status, epilogue exit counter, epoch, task queues, per-peer
+//              window credits, the peers' window pointers, per-(source, local expert) received
+//              counts, per-(source, slot block) arrival counters
 //   data region: kNumRanks source blocks of `num_max_tokens_per_rank` slots each; a source owns
 //                its block in every destination, so it places tokens without asking anyone.
 //                Dispatch records and combine slots share the region: they are never live at once.
@@ -32,6 +32,10 @@ constexpr int64_t kEpilogueDoneOffset = kStatusOffset + 8;
 // per peer the count that peer has completed: a peer's window takes our next records only once
 // it is done with what we sent before (credits.cuh). Both wrap around.
 constexpr int64_t kEpochOffset = kEpilogueDoneOffset + 4;
+// The task queues of the dispatch and combine kernels (tasks.cuh): two words each, zero between
+// launches
+constexpr int64_t kDispatchTaskQueueOffset = kEpochOffset + 4;
+constexpr int64_t kCombineTaskQueueOffset = kDispatchTaskQueueOffset + 8;
 constexpr int64_t kCreditOffset = kStatusOffset + 64;
 // The LSA pointers of every rank's window, left here by each communication kernel for its
 // epilogue (which is built without NCCL) to post the credits
@@ -46,7 +50,7 @@ constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
 constexpr int64_t kArrivalOffset = 384 * 1024;
 constexpr int kMaxArrivalBlocks = 512;  // per source rank
 constexpr int64_t kWorkspaceBytes = 512 * 1024;
-static_assert(kStatusOffset % 8 == 0 and kEpochOffset + 4 <= kCreditOffset, "workspace overflow");
+static_assert(kStatusOffset % 8 == 0 and kCombineTaskQueueOffset + 8 <= kCreditOffset, "workspace overflow");
 static_assert(kPeerWindowsOffset % 8 == 0 and kPeerWindowsOffset + kMaxRanks * 8 <= kRecvExpertCountOffset,
               "workspace overflow");
 static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kArrivalOffset,

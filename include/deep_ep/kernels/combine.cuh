@@ -7,7 +7,7 @@
 // In the plain layout the rows this rank received from itself stay where they are: the combine
 // epilogue reads them straight from `x`, so only rows for other ranks are copied.
 // Work comes in tasks of `rows_per_task` consecutive slots of one source, one warp each, ordered
-// slot-major with the sources interleaved (task i goes to CTA i mod G), so every source's slots
+// slot-major with the sources interleaved and taken in order (tasks.cuh), so every source's slots
 // fill in order over time. After a task the warp releases its rows with one fence and adds them to
 // the source's arrival counters: the source's epilogue reduces the rows that have landed while the
 // rest are on the wire. There is no exit barrier, and no entry barrier: every CTA starts by
@@ -21,6 +21,7 @@
 #include "../common/credits.cuh"
 #include "../common/layout.cuh"
 #include "../common/ptx.cuh"
+#include "../common/tasks.cuh"
 
 namespace deep_ep {
 
@@ -73,8 +74,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int max_rows = 0;
     for (int s = 0; s < kNumRanks; ++s) max_rows = max(max_rows, psum_src[s + 1] - psum_src[s]);
     const int num_tasks = num_sources * ceil_div(max_rows, args.rows_per_task);
-    const int num_warps = gridDim.x * kNumWarps;
-    for (int task = channel + warp_idx * gridDim.x; task < num_tasks; task += num_warps) {
+    const TaskQueue tasks(reinterpret_cast<int*>(args.window_base + kCombineTaskQueueOffset), num_tasks, kNumWarps);
+    for (int task = tasks.first(), claimed = 0; task < num_tasks; task = tasks.next(claimed)) {
+        claimed = tasks.claim(task);
         const int source_idx = task % num_sources;
         const int s = kExpand or source_idx < args.rank ? source_idx : source_idx + 1;
         const int slot_begin = task / num_sources * args.rows_per_task;
@@ -145,6 +147,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (lane_idx == 0)
             signal_arrivals(peer_windows[s], args.rank, slot_begin, slot_end - slot_begin, args.arrival_block);
     }
+    tasks.finish();
 }
 
 }  // namespace deep_ep

@@ -4,11 +4,11 @@
 // destination rank that owns one of its experts, straight into the destination's window at its
 // slot (the source owns that slot block, so no atomics and no ordering between CTAs).
 //
-// Tokens are sent in tasks of `tokens_per_task`, one warp each, task i by CTA i mod G, so slots
-// fill roughly in order. After a task the warp fences once and adds the task's slots to the
-// destinations' arrival counters (arrivals.cuh): the destination's epilogue, launched early
-// (programmatic dependent launch), copies the records that have landed while the rest are still
-// on the wire. Nor is there an entry barrier: every CTA starts by checking each peer's window
+// Tokens are sent in tasks of `tokens_per_task`, one warp each, taken in order by whichever warp
+// asks next (tasks.cuh), so slots fill in order. After a task the warp fences once and adds the
+// task's slots to the destinations' arrival counters (arrivals.cuh): the destination's epilogue,
+// launched early (programmatic dependent launch), copies the records that have landed while the
+// rest are still on the wire. Nor is there an entry barrier: every CTA starts by checking each peer's window
 // credit, posted by the peer's previous epilogue (credits.cuh), which is there in steady state.
 //
 // Fresh dispatch (not kCached): warps count the tokens of every group of `tokens_per_group` per
@@ -30,6 +30,7 @@
 #include "../common/layout.cuh"
 #include "../common/math.cuh"
 #include "../common/ptx.cuh"
+#include "../common/tasks.cuh"
 
 namespace deep_ep {
 
@@ -92,11 +93,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     constexpr int kRecordVectors = Record::kBytes / 16;
     constexpr int kNumScaleInts = kNumScaleBytes / 4;
     // A record that fits 16 vectors per lane (FP8) goes in one batch of loads: one load round trip
-    // per token (measured: -7 us of 216 for a cached T=8192 dispatch); larger ones would spill in
-    // the fresh kernel. Fewer in flight when many destination pointers share the registers.
-    constexpr int kUnroll = kNumRanks > 4                            ? kCopyUnroll / 2
-                            : kRecordVectors <= 32 * 2 * kCopyUnroll ? 2 * kCopyUnroll
-                                                                     : kCopyUnroll;
+    // per token (measured: -7 us of 216 for a cached T=8192 dispatch). Larger ones (BF16) move 16
+    // vectors per lane too in the cached kernel (-18 us of 400 at T=8192), but would spill in the
+    // fresh one. Fewer in flight when many destination pointers share the registers.
+    constexpr int kUnroll = kNumRanks > 4                                         ? kCopyUnroll / 2
+                            : (kCached or kRecordVectors <= 32 * 2 * kCopyUnroll) ? 2 * kCopyUnroll
+                                                                                  : kCopyUnroll;
     // A warp moves one part of a record at a time (one batch of loads), so the parts of a token
     // spread over many warps instead of queueing behind each other in one
     constexpr int kNumParts = num_copy_parts<kRecordVectors, kUnroll>();
@@ -266,11 +268,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         return make_int4(words[0], words[1], words[2], words[3]);
     };
 
-    // Tasks of `tokens_per_task` consecutive tokens (inside one group), one warp each; task i goes
-    // to CTA i mod G, so the slots at every destination fill roughly in order over time
+    // Tasks of `tokens_per_task` consecutive tokens (inside one group), one warp each, in order
     const int num_tasks = ceil_div(num_tokens, args.tokens_per_task);
-    for (int task = channel + warp_idx * num_channels; not is_bad and task < num_tasks;
-         task += num_channels * kNumWarps) {
+    const TaskQueue tasks(reinterpret_cast<int*>(own_window + kDispatchTaskQueueOffset), num_tasks, kNumWarps);
+    for (int task = tasks.first(), claimed = 0; not is_bad and task < num_tasks; task = tasks.next(claimed)) {
+        claimed = tasks.claim(task);
         const int task_begin = task * args.tokens_per_task;
         const int task_end = min(num_tokens, task_begin + args.tokens_per_task);
         if constexpr (not kCached) {
@@ -355,6 +357,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
     }
 
+    tasks.finish();
     // The CTA paired with the senders that counted for us waits for their counts and sums them
     if constexpr (not kCached) {
         if (channel == args.rank) {
