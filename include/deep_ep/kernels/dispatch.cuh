@@ -8,8 +8,9 @@
 // asks next (tasks.cuh), so slots fill in order. After a task the warp fences once and adds the
 // task's slots to the destinations' arrival counters (arrivals.cuh): the destination's epilogue,
 // launched early (programmatic dependent launch), copies the records that have landed while the
-// rest are still on the wire. Nor is there an entry barrier: every CTA starts by checking each peer's window
-// credit, posted by the peer's previous epilogue (credits.cuh), which is there in steady state.
+// rest are still on the wire. Nor is there an entry barrier: every CTA starts by checking each
+// peer's window credit, posted by the peer's previous epilogue (credits.cuh), which is there in
+// steady state.
 //
 // Fresh dispatch (not kCached): warps count the tokens of every group of `tokens_per_group` per
 // destination, count tokens per expert (per CTA, then device-wide) and validate the rows; after a
