@@ -28,6 +28,7 @@ BUFFER_ALIGNMENT = 2 * 1024 * 1024
 # int32 words of a fresh dispatch's device scratch (grid barrier, per-CTA flags, per-(group, rank)
 # counts, per-expert counts); the groups' first slots live in each CTA's shared memory
 MAX_GROUP_INTS = 4096
+MAX_GROUPS_PER_RANK = 256  # a warp scans one destination's groups with 8 per lane
 DISPATCH_SCRATCH_INTS = 32 + MAX_CHANNELS + MAX_GROUP_INTS + MAX_RANKS * MAX_LOCAL_EXPERTS
 
 # Error block words (int64) and the phases a device wait can time out in
@@ -55,10 +56,12 @@ def arrival_block(num_max_tokens_per_rank: int) -> int:
 
 def tokens_per_group(num_tokens: int, num_ranks: int) -> int:
     """Tokens per layout group of a fresh dispatch: the smallest multiple of 32 (one warp ballot)
-    for which groups x ranks fit the `MAX_GROUP_INTS` first slots that every dispatch CTA keeps in
-    shared memory. Small groups are cheap: a sending warp scans its group up to its own tokens."""
+    for which there are at most `MAX_GROUPS_PER_RANK` groups, and groups x ranks fit the
+    `MAX_GROUP_INTS` first slots that every dispatch CTA keeps in shared memory. Small groups are
+    cheap: a sending warp scans its group up to its own tokens."""
     num_pieces = -(-max(num_tokens, 1) // 32)
-    return 32 * -(-num_pieces // (MAX_GROUP_INTS // num_ranks))
+    max_groups = min(MAX_GROUPS_PER_RANK, MAX_GROUP_INTS // num_ranks)
+    return 32 * -(-num_pieces // max_groups)
 
 
 @dataclass(frozen=True)

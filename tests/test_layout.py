@@ -29,6 +29,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kArrivalOffset == {layout.ARRIVAL_OFFSET});",
         f"static_assert(deep_ep::kMaxArrivalBlocks == {layout.MAX_ARRIVAL_BLOCKS});",
         f"static_assert(deep_ep::kMaxGroupInts == {layout.MAX_GROUP_INTS});",
+        f"static_assert(deep_ep::kMaxGroupsPerRank == {layout.MAX_GROUPS_PER_RANK});",
         f"static_assert(deep_ep::kWorkspaceBytes == {layout.WORKSPACE_BYTES});",
         f"static_assert(deep_ep::kMaxLocalExperts == {layout.MAX_LOCAL_EXPERTS});",
         f"static_assert(deep_ep::kDispatchScratchInts == {layout.DISPATCH_SCRATCH_INTS});",
@@ -98,5 +99,6 @@ def test_token_groups_and_arrival_blocks_fit_the_workspace(num_ranks, num_tokens
     group = layout.tokens_per_group(num_tokens, num_ranks)
     assert group % 32 == 0 and group >= 32
     assert -(-num_tokens // group) * num_ranks <= layout.MAX_GROUP_INTS  # every CTA keeps them all
+    assert -(-num_tokens // group) <= layout.MAX_GROUPS_PER_RANK  # one warp scans them in one batch
     block = layout.arrival_block(num_tokens)
     assert block >= 32 and -(-num_tokens // block) <= layout.MAX_ARRIVAL_BLOCKS

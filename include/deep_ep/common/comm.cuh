@@ -49,23 +49,24 @@ __device__ __forceinline__ bool channel_barrier(void* const* peer_windows, int r
 }
 
 // Every CTA of the grid waits for all the others (the grid must be co-resident: at most one CTA
-// per SM, as for every communication kernel). `arrive` returns to zero; `generation` counts the
-// barriers passed. Returns false (on every thread) when the deadline passed; the error is recorded.
-__device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, const FaultSink& fault, int phase, int rank,
-                                             uint64_t timeout_ns) {
+// per SM, as for every communication kernel). `arrive` returns to zero; the last CTA in publishes
+// `tag` in `generation`, which must differ from the tag of the previous barrier on these words (so
+// no CTA reads `generation` before it arrives). Returns false (on every thread) when the deadline
+// passed; the error is recorded.
+__device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, int tag, const FaultSink& fault, int phase,
+                                             int rank, uint64_t timeout_ns) {
     __shared__ int passed;
     __syncthreads();
     if (threadIdx.x == 0) {
         // The CTA's writes (ordered before thread 0 by __syncthreads) become visible device-wide
         __threadfence();
-        const int current = ld_acquire_sys(generation);
         bool ok = true;
         if (atomicAdd(arrive, 1) == static_cast<int>(gridDim.x) - 1) {
             *arrive = 0;
-            st_release_sys(generation, current + 1);
+            st_release_sys(generation, tag);
         } else {
             const uint64_t deadline = global_timer_ns() + timeout_ns;
-            while (ld_acquire_sys(generation) == current) {
+            while (ld_acquire_sys(generation) != tag) {
                 if (fault.has_error() || global_timer_ns() > deadline) {
                     fault.report_timeout(phase, rank, rank, blockIdx.x, ld_relaxed_sys(arrive), gridDim.x);
                     ok = false;

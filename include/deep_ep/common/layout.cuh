@@ -65,6 +65,8 @@ constexpr int kScratchArrive = 0;
 constexpr int kScratchGeneration = 1;
 // Token groups x destination ranks: every dispatch CTA keeps the groups' first slots in shared memory
 constexpr int kMaxGroupInts = 4096;
+// Token groups per destination: a warp scans them with a fixed number per lane (one batch of loads)
+constexpr int kMaxGroupsPerRank = 256;
 // Experts whose token counts every fresh dispatch CTA gathers in shared memory first
 constexpr int kMaxSharedExpertCounts = 4096;
 constexpr int kScratchChannelBad = 32;

@@ -53,7 +53,7 @@ struct DispatchArgs {
     int num_max_tokens_per_rank;
     int rank;
     int num_experts_per_rank;
-    int tokens_per_group;  // a multiple of 32; at most kMaxGroupInts / kNumRanks groups
+    int tokens_per_group;  // a multiple of 32: at most kMaxGroupsPerRank groups, groups x ranks <= kMaxGroupInts
     int tokens_per_task;   // tokens a warp sends between two releases; divides 32
     int arrival_block;     // slots per arrival counter
     int64_t* error_block;
@@ -103,6 +103,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // A warp moves one part of a record at a time (one batch of loads), so the parts of a token
     // spread over many warps instead of queueing behind each other in one
     constexpr int kNumParts = num_copy_parts<kRecordVectors, kUnroll>();
+    constexpr int kGroupsPerLane = kMaxGroupsPerRank / 32;
+    static_assert(kMaxGroupsPerRank % 32 == 0, "whole groups per lane");
     static_assert(kNumRanks <= kMaxRanks, "too many ranks");
     (void)comm;
 
@@ -130,6 +132,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     if constexpr (not kCached) {
         int* scratch = args.layout_scratch;
+        // The grid barrier's tag: this operation's epoch, which no earlier fresh dispatch of the
+        // buffer had (loaded now, used after the count pass)
+        const int barrier_tag = *reinterpret_cast<const int*>(own_window + kEpochOffset) + 1;
         int* group_counts = scratch + kScratchGroupCounts;  // [group][rank]
         // Tokens per expert are counted per CTA in shared memory, then added to the device-wide
         // counters once per (CTA, expert): the counters of all experts share a few L2 lines, whose
@@ -152,11 +157,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 if (t < group_end(g) and not is_bad_row) {
 #pragma unroll
                     for (int k = 0; k < kNumTopk; ++k) {
+                        // Two calls, not one on a selected pointer: a shared-memory add then compiles to
+                        // ATOMS rather than a generic atomic
                         const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
-                        if (expert >= 0)
-                            atomicAdd(expert < kMaxSharedExpertCounts ? cta_expert_counts + expert
-                                                                      : scratch + kScratchExpertCounts + expert,
-                                      1);
+                        if (expert >= kMaxSharedExpertCounts)
+                            atomicAdd(scratch + kScratchExpertCounts + expert, 1);
+                        else if (expert >= 0)
+                            atomicAdd(cta_expert_counts + expert, 1);
                     }
                 }
 #pragma unroll
@@ -174,35 +181,43 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int e = threadIdx.x; e < num_shared_experts; e += kNumThreads)
             if (cta_expert_counts[e] != 0) atomicAdd(scratch + kScratchExpertCounts + e, cta_expert_counts[e]);
 
-        if (!grid_barrier(scratch + kScratchArrive, scratch + kScratchGeneration, fault, kPhaseDispatchGrid, args.rank,
-                          args.timeout_ns))
+        if (!grid_barrier(scratch + kScratchArrive, scratch + kScratchGeneration, barrier_tag, fault,
+                          kPhaseDispatchGrid, args.rank, args.timeout_ns))
             return;
-        // L2 loads (`.cg`, ordered after the barrier's acquire) that the compiler may batch
+        // Per destination (one warp each), an exclusive scan of the group counts in token order gives
+        // every group its first slot (every CTA scans them all: any of its warps may send any group).
+        // Lane l holds groups [l * kGroupsPerLane, (l + 1) * kGroupsPerLane), so each warp loads its
+        // counts in one batch, issued with the invalid-row flags' loads (L2 loads, `.cg`, ordered
+        // after the barrier's acquire), and only the lanes' sums go through the shuffles.
         int any_bad = 0;
         for (int c = threadIdx.x; c < num_channels; c += kNumThreads)
             any_bad |= __ldcg(scratch + kScratchChannelBad + c);
-        is_bad = __syncthreads_or(any_bad);
-
-        // Per destination, an exclusive scan of the group counts in token order gives every group
-        // its first slot (every CTA scans them all: any of its warps may send any group)
         for (int d = warp_idx; d < kNumRanks; d += kNumWarps) {
-            int carry = 0;
-#pragma unroll 4
-            for (int g0 = 0; g0 < num_groups; g0 += 32) {
-                const int g = g0 + lane_idx;
-                const int count = g < num_groups ? __ldcg(group_counts + g * kNumRanks + d) : 0;
-                int inclusive = count;
+            int counts[kGroupsPerLane];
 #pragma unroll
-                for (int offset = 1; offset < 32; offset *= 2) {
-                    const int below = __shfl_up_sync(0xffffffff, inclusive, offset);
-                    if (lane_idx >= offset) inclusive += below;
-                }
-                if (g < num_groups) group_base[g * kNumRanks + d] = carry + inclusive - count;
-                carry += __shfl_sync(0xffffffff, inclusive, 31);
+            for (int k = 0; k < kGroupsPerLane; ++k) {
+                const int g = lane_idx * kGroupsPerLane + k;
+                counts[k] = g < num_groups ? __ldcg(group_counts + g * kNumRanks + d) : 0;
             }
-            if (lane_idx == 0) rank_total[d] = carry;
+            int lane_sum = 0;
+#pragma unroll
+            for (int k = 0; k < kGroupsPerLane; ++k) lane_sum += counts[k];
+            int inclusive = lane_sum;
+#pragma unroll
+            for (int offset = 1; offset < 32; offset *= 2) {
+                const int below = __shfl_up_sync(0xffffffff, inclusive, offset);
+                if (lane_idx >= offset) inclusive += below;
+            }
+            int first = inclusive - lane_sum;
+#pragma unroll
+            for (int k = 0; k < kGroupsPerLane; ++k) {
+                const int g = lane_idx * kGroupsPerLane + k;
+                if (g < num_groups) group_base[g * kNumRanks + d] = first;
+                first += counts[k];
+            }
+            if (lane_idx == 31) rank_total[d] = inclusive;
         }
-        __syncthreads();
+        is_bad = __syncthreads_or(any_bad);
         if (channel == 0 and threadIdx.x < kNumRanks)
             args.num_tokens_per_rank[threadIdx.x] = is_bad ? 0 : rank_total[threadIdx.x];
     }
@@ -223,8 +238,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         __syncthreads();
         if (threadIdx.x == 0) {
             const int count = kCached ? args.num_tokens_per_rank[channel] : (is_bad ? 0 : rank_total[channel]);
-            // Count + 1, so that zero means "not told yet"; released after the per-expert counts
-            fence_acq_rel_sys();
+            // Count + 1, so that zero means "not told yet". A fresh count is released after the
+            // per-expert counts; a cached one guards nothing (a fence would hold back this CTA's sends).
+            if constexpr (not kCached) fence_acq_rel_sys();
             st_relaxed_sys(reinterpret_cast<int*>(peer + kRecvCountOffset) + args.rank, count + 1);
         }
     }
