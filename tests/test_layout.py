@@ -23,6 +23,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kEpochOffset == {layout.EPOCH_OFFSET});",
         f"static_assert(deep_ep::kDispatchTaskQueueOffset == {layout.DISPATCH_TASK_QUEUE_OFFSET});",
         f"static_assert(deep_ep::kCombineTaskQueueOffset == {layout.COMBINE_TASK_QUEUE_OFFSET});",
+        f"static_assert(deep_ep::kEpilogueTaskQueueOffset == {layout.EPILOGUE_TASK_QUEUE_OFFSET});",
         f"static_assert(deep_ep::kCreditOffset == {layout.CREDIT_OFFSET});",
         f"static_assert(deep_ep::kPeerWindowsOffset == {layout.PEER_WINDOWS_OFFSET});",
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",

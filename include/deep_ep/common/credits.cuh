@@ -13,6 +13,7 @@
 #include "fault.cuh"
 #include "layout.cuh"
 #include "ptx.cuh"
+#include "tasks.cuh"
 
 namespace deep_ep {
 
@@ -31,9 +32,10 @@ __device__ __forceinline__ bool wait_window_credit(char* own_window, int peer, i
 
 // The end of every epilogue: every thread of every CTA calls it once, after its last read of the
 // window. The last CTA out waits for the communication kernel to complete (programmatic dependent
-// launch: until then it may still read the count flags), returns the arrival counters
-// (`num_slots(s)` slots from each source s) and, with `clear_recv_counts`, the dispatch count flags
-// to zero, counts the operation in the epoch and posts it to every rank as our credit.
+// launch: until then it may still read the count flags), returns the epilogue's task queue, the
+// arrival counters (`num_slots(s)` slots from each source s) and, with `clear_recv_counts`, the
+// dispatch count flags to zero, counts the operation in the epoch and posts it to every rank as our
+// credit.
 template <int kNumRanks, typename NumSlots>
 __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arrival_block, bool clear_recv_counts,
                                                 NumSlots num_slots) {
@@ -48,6 +50,7 @@ __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arri
     __syncthreads();
     if (not is_last) return;
     griddep_wait();
+    if (threadIdx.x == 0) TaskQueue::reset(reinterpret_cast<int*>(window + kEpilogueTaskQueueOffset));
     reset_arrival_counters<kNumRanks>(window, arrival_block, num_slots);
     if (clear_recv_counts and threadIdx.x < kNumRanks)
         reinterpret_cast<int*>(window + kRecvCountOffset)[threadIdx.x] = 0;

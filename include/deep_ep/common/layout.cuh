@@ -32,10 +32,11 @@ constexpr int64_t kEpilogueDoneOffset = kStatusOffset + 8;
 // per peer the count that peer has completed: a peer's window takes our next records only once
 // it is done with what we sent before (credits.cuh). Both wrap around.
 constexpr int64_t kEpochOffset = kEpilogueDoneOffset + 4;
-// The task queues of the dispatch and combine kernels (tasks.cuh): two words each, zero between
-// launches
+// The task queues of the dispatch and combine kernels and of their epilogues (tasks.cuh): two
+// words each, zero between launches (epilogues run one at a time, so they share one)
 constexpr int64_t kDispatchTaskQueueOffset = kEpochOffset + 4;
 constexpr int64_t kCombineTaskQueueOffset = kDispatchTaskQueueOffset + 8;
+constexpr int64_t kEpilogueTaskQueueOffset = kCombineTaskQueueOffset + 8;
 constexpr int64_t kCreditOffset = kStatusOffset + 64;
 // The LSA pointers of every rank's window, left here by each communication kernel for its
 // epilogue (which is built without NCCL) to post the credits
@@ -50,7 +51,7 @@ constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
 constexpr int64_t kArrivalOffset = 384 * 1024;
 constexpr int kMaxArrivalBlocks = 512;  // per source rank
 constexpr int64_t kWorkspaceBytes = 512 * 1024;
-static_assert(kStatusOffset % 8 == 0 and kCombineTaskQueueOffset + 8 <= kCreditOffset, "workspace overflow");
+static_assert(kStatusOffset % 8 == 0 and kEpilogueTaskQueueOffset + 8 <= kCreditOffset, "workspace overflow");
 static_assert(kPeerWindowsOffset % 8 == 0 and kPeerWindowsOffset + kMaxRanks * 8 <= kRecvExpertCountOffset,
               "workspace overflow");
 static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kArrivalOffset,

@@ -9,6 +9,8 @@
 // that the atomic's round trip hides behind the copies. Tasks still go out in order, so the slots
 // at every destination fill in order over time. The last CTA out returns the counter to zero for
 // the next launch (stream order keeps two launches of one buffer apart).
+// The epilogues take their rows the same way, in the order they land: a warp whose row is late
+// holds up only that row, not the rows that round-robin dealing would have given it after.
 
 namespace deep_ep {
 
@@ -29,15 +31,18 @@ public:
         return is_dynamic_ ? __shfl_sync(0xffffffff, claimed, 0) : claimed;
     }
 
-    // Every thread of every CTA calls it once, after its last claim
+    // Every thread of every CTA calls it once, after its last claim; a kernel that already picks
+    // a last CTA out (the epilogues, credits.cuh) has that CTA call `reset` instead
     __device__ __forceinline__ void finish() const {
         if (not is_dynamic_) return;
         __syncthreads();
         // A warp's claims have returned before it leaves its loop, so the last CTA in sees them all
-        if (threadIdx.x == 0 and atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-            words_[0] = 0;
-            words_[1] = 0;
-        }
+        if (threadIdx.x == 0 and atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1) reset(words_);
+    }
+
+    __device__ __forceinline__ static void reset(int* words) {
+        words[0] = 0;
+        words[1] = 0;
     }
 
 private:

@@ -8,11 +8,11 @@
 // combine input itself (combine.cuh does not copy them).
 // Work is split into (token, part) items so that small batches still use many warps.
 // Launched with programmatic dependent launch while the combine still sends: before reading a
-// holder's row it waits for that row's arrival block (arrivals.cuh); tokens are taken in order, which
-// is the order their rows land in. An item loads its token's slots once (kept in lanes) and this
-// rank's own row before it waits, so only the holders' rows are read after they land. The last
-// CTA out returns the arrival counters to zero and posts our window credit to the peers
-// (credits.cuh).
+// holder's row it waits for that row's arrival block (arrivals.cuh); tokens are taken in order,
+// which is the order their rows land in, by whichever warp asks next (tasks.cuh). An item loads its
+// token's slots once (kept in lanes) and this rank's own row before it waits, so only the holders'
+// rows are read after they land. The last CTA out returns the arrival counters to zero and posts
+// our window credit to the peers (credits.cuh).
 
 #include "../common/arrivals.cuh"
 #include "../common/bf16.cuh"
@@ -21,6 +21,7 @@
 #include "../common/fault.cuh"
 #include "../common/layout.cuh"
 #include "../common/ptx.cuh"
+#include "../common/tasks.cuh"
 
 namespace deep_ep {
 
@@ -71,8 +72,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
     };
 
     const int num_items = args.num_tokens * kNumParts;
+    const TaskQueue items(reinterpret_cast<int*>(args.window_base + kEpilogueTaskQueueOffset), num_items, kNumWarps);
     bool warp_ok = true;
-    for (int item = blockIdx.x * kNumWarps + warp_idx; warp_ok and item < num_items; item += gridDim.x * kNumWarps) {
+    for (int item = items.first(), claimed = 0; warp_ok and item < num_items; item = items.next(claimed)) {
+        claimed = items.claim(item);
         const int t = item / kNumParts, part = item % kNumParts;
         const int64_t expert = lane_idx < kNumTopk ? args.topk_idx[static_cast<int64_t>(t) * kNumTopk + lane_idx] : -1;
         const int holder = expert >= 0 ? static_cast<int>(expert / args.num_experts_per_rank) : -1;

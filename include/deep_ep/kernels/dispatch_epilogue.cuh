@@ -7,11 +7,11 @@
 // The order is fixed by the slots, so the output is deterministic by construction.
 // Records a rank sent itself hold only metadata: their payload is read from the dispatch input.
 // Launched with programmatic dependent launch while the dispatch still sends: it follows the
-// senders' count flags and arrival counters (arrivals.cuh), taking rows in slot order with the
-// sources interleaved, which is the order they land in. The last CTA out returns the arrival
-// counters and count flags to zero and posts our window credit to the peers (credits.cuh). With
-// `drain_only` it only waits for every record and resets (a dispatch whose input was rejected
-// after peers had already sent).
+// senders' count flags and arrival counters (arrivals.cuh), and its warps take rows in slot order
+// with the sources interleaved, which is the order they land in, whichever warp asks next
+// (tasks.cuh). The last CTA out returns the arrival counters and count flags to zero and posts our
+// window credit to the peers (credits.cuh). With `drain_only` it only waits for every record and
+// resets (a dispatch whose input was rejected after peers had already sent).
 
 #include <cub/block/block_scan.cuh>
 
@@ -22,6 +22,7 @@
 #include "../common/layout.cuh"
 #include "../common/math.cuh"
 #include "../common/ptx.cuh"
+#include "../common/tasks.cuh"
 
 namespace deep_ep {
 
@@ -143,12 +144,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
             }
         };
 
-        // Rows in the order they land: slot-major, the sources interleaved
+        // Rows in the order they land: slot-major, the sources interleaved, taken in order by
+        // whichever warp asks next (tasks.cuh)
         int max_recv = 0;
         for (int s = 0; s < kNumRanks; ++s) max_recv = max(max_recv, num_recv[s]);
+        const int num_items = max_recv * kNumRanks;
+        const TaskQueue items(reinterpret_cast<int*>(args.window_base + kEpilogueTaskQueueOffset), num_items,
+                              kNumWarps);
         bool warp_ok = true;
-        for (int item = blockIdx.x * kNumWarps + warp_idx; warp_ok and item < max_recv * kNumRanks;
-             item += gridDim.x * kNumWarps) {
+        for (int item = items.first(), claimed = 0; warp_ok and item < num_items; item = items.next(claimed)) {
+            claimed = items.claim(item);
             const int slot = item / kNumRanks, s = item % kNumRanks;
             if (slot >= num_recv[s]) continue;
             if (lane_idx == 0) {
