@@ -73,14 +73,21 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int num_sources = kExpand ? kNumRanks : kNumRanks - 1;
     int max_rows = 0;
     for (int s = 0; s < kNumRanks; ++s) max_rows = max(max_rows, psum_src[s + 1] - psum_src[s]);
-    const int num_tasks = num_sources * ceil_div(max_rows, args.rows_per_task);
+    // Per source, chunks of `rows_per_task` slots, but the last round (one task per warp) takes
+    // single slots, as in dispatch.cuh: so that the final sends end together
+    const int rows_per_task = args.rows_per_task;
+    const int num_warps = gridDim.x * kNumWarps;
+    const int whole_end = max(0, max_rows - num_warps / max(1, num_sources)) / rows_per_task * rows_per_task;
+    const int num_whole_chunks = whole_end / rows_per_task;
+    const int num_tasks = num_sources * (num_whole_chunks + max_rows - whole_end);
     const TaskQueue tasks(reinterpret_cast<int*>(args.window_base + kCombineTaskQueueOffset), num_tasks, kNumWarps);
     for (int task = tasks.first(), claimed = 0; task < num_tasks; task = tasks.next(claimed)) {
         claimed = tasks.claim(task);
-        const int source_idx = task % num_sources;
+        const int source_idx = task % num_sources, chunk = task / num_sources;
         const int s = kExpand or source_idx < args.rank ? source_idx : source_idx + 1;
-        const int slot_begin = task / num_sources * args.rows_per_task;
-        const int slot_end = min(psum_src[s + 1] - psum_src[s], slot_begin + args.rows_per_task);
+        const bool is_whole = chunk < num_whole_chunks;
+        const int slot_begin = is_whole ? chunk * rows_per_task : whole_end + chunk - num_whole_chunks;
+        const int slot_end = min(psum_src[s + 1] - psum_src[s], slot_begin + (is_whole ? rows_per_task : 1));
         if (slot_begin >= slot_end) continue;
         char* source_slots = static_cast<char*>(peer_windows[s]) + kWorkspaceBytes +
                              static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank * Slot::kBytes;

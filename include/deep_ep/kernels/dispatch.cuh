@@ -285,13 +285,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         return make_int4(words[0], words[1], words[2], words[3]);
     };
 
-    // Tasks of `tokens_per_task` consecutive tokens (inside one group), one warp each, in order
-    const int num_tasks = ceil_div(num_tokens, args.tokens_per_task);
+    // Tasks of `tokens_per_task` consecutive tokens (inside one group), one warp each, in order.
+    // The last round (one task per warp) takes single tokens: a warp sends at a fraction of the link,
+    // and whole tasks left a few warps sending alone at the end (the last CTA ended ~10 us after the
+    // median one at T=8192).
+    const int tokens_per_task = args.tokens_per_task;
+    const int whole_end = max(0, num_tokens - num_channels * kNumWarps) / tokens_per_task * tokens_per_task;
+    const int num_whole_tasks = whole_end / tokens_per_task;
+    const int num_tasks = num_whole_tasks + num_tokens - whole_end;
     const TaskQueue tasks(reinterpret_cast<int*>(own_window + kDispatchTaskQueueOffset), num_tasks, kNumWarps);
     for (int task = tasks.first(), claimed = 0; not is_bad and task < num_tasks; task = tasks.next(claimed)) {
         claimed = tasks.claim(task);
-        const int task_begin = task * args.tokens_per_task;
-        const int task_end = min(num_tokens, task_begin + args.tokens_per_task);
+        const bool is_whole = task < num_whole_tasks;
+        const int task_begin = is_whole ? task * tokens_per_task : whole_end + task - num_whole_tasks;
+        const int task_end = is_whole ? task_begin + tokens_per_task : task_begin + 1;
         if constexpr (not kCached) {
             // Slots of the task's tokens (lane j: token task_begin + j): the group's first slot,
             // plus the group's hits before the task, plus the task's hits before the token
