@@ -2,9 +2,9 @@
 
 // Arrival tracking between a communication kernel and the epilogue that consumes what it sent.
 // A sending warp releases a task of records (or rows) with one fence and adds its size to
-// per-(source, slot block) counters in the receiver's window workspace; the receiver's epilogue, which runs
-// concurrently (programmatic dependent launch), waits on the block it is about to read. Plain
-// device memory operations only (no NCCL), so epilogues include it without the NCCL headers.
+// per-(source, slot block) counters in the receiver's window workspace; the receiver's epilogue,
+// which runs concurrently (programmatic dependent launch), waits on the block it is about to read.
+// Plain device memory operations only (no NCCL), so epilogues include it without the NCCL headers.
 
 #include <cstdint>
 

@@ -46,7 +46,7 @@ constexpr int64_t kPeerWindowsOffset = kCreditOffset + kMaxRanks * sizeof(int);
 constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
 // Arrival counters: how many records (dispatch) or rows (combine) of each block of
 // `arrival_block` slots have landed here from each source. The sender adds to them after a
-// release fence once per group of tokens, so the receiver's epilogue can copy or reduce the rows
+// release fence once per task (tasks.cuh), so the receiver's epilogue can copy or reduce the rows
 // that are here while the rest are still on the wire, without per-token flags.
 constexpr int64_t kArrivalOffset = 384 * 1024;
 constexpr int kMaxArrivalBlocks = 512;  // per source rank
