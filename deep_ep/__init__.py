@@ -20,7 +20,9 @@ _LAZY = {
     "ElasticBuffer": "deep_ep.buffer",
     "EPHandle": "deep_ep.handle",
     "EventOverlap": "deep_ep.event",
+    "EPError": "deep_ep.errors",
     "EPTimeoutError": "deep_ep.errors",
+    "EPOperationMismatchError": "deep_ep.errors",
     "topk_idx_t": "deep_ep.buffer",
     "ExpertParallelMoE": "deep_ep.nn",
 }

@@ -307,6 +307,12 @@ class EPBackend(abc.ABC):
         """Return `(num_rdma_ranks, num_nvlink_ranks)`; one NVLink domain by default."""
         return 1, self.config.num_ranks
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the backend can no longer be used (a device fault, or an exception in the middle of
+        an operation), or `None` while it can."""
+        return None
+
     @abc.abstractmethod
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Send every token to the ranks that own its experts (collective)."""

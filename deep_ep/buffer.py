@@ -19,6 +19,7 @@ from deep_ep.backend import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend
 from deep_ep.errors import EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
 from deep_ep.handle import EPHandle
+from deep_ep.loopback import loopback_world
 from deep_ep.validation import ValidationContext, as_bool, as_int, validate_combine, validate_dispatch
 
 # The dtype of `topk_idx` (V2's `deep_ep.topk_idx_t`)
@@ -29,7 +30,11 @@ _buffer_ids = itertools.count(1)
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
-    """The device of a group's tensors: the current CUDA device for NCCL groups, else the CPU."""
+    """The device of a group's tensors: the current CUDA device for NCCL groups, the world's device
+    for virtual ranks (`deep_ep.loopback`), else the CPU."""
+    world = loopback_world(group)
+    if world is not None:
+        return world.device
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -75,7 +80,8 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
             )
         return kernels.KernelBackend
     use_kernels = _kernels_supported_here(group)
-    if agree and _group_device(group).type == "cuda":
+    # Virtual ranks answer alike by construction (one process, one GPU)
+    if agree and _group_device(group).type == "cuda" and loopback_world(group) is None:
         votes = torch.tensor([int(use_kernels)], dtype=torch.int32, device=_group_device(group))
         dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
         use_kernels = bool(votes.item())
@@ -226,7 +232,13 @@ class ElasticBuffer:
         self._failure: str | None = None
         self._theoretical_num_sms: dict[tuple[int, int], int] = {}
         self.backend: EPBackend | None = backend_class(group, config)
-        self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._comm_stream = None
+        if self.device.type == "cuda":
+            # Virtual ranks must never share a stream (torch's pool hands out 32 per priority, round robin)
+            world = loopback_world(group)
+            self._comm_stream = (
+                world.comm_stream(self.rank_idx) if world is not None else torch.cuda.Stream(self.device)
+            )
         self._ctx = ValidationContext(
             num_ranks=self.num_ranks,
             device=self.device,
@@ -266,6 +278,11 @@ class ElasticBuffer:
             return call()
         except EPTimeoutError as error:
             self._failure = str(error)
+            raise
+        except BaseException:
+            # An error that left the backend half-way through an operation makes it unusable
+            if self.backend is not None and self.backend.dead_reason is not None:
+                self._failure = self.backend.dead_reason
             raise
 
     def _communicate(

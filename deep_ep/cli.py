@@ -237,9 +237,8 @@ def default_warmup_specs() -> list[Any]:
             header="deep_ep/kernels/peer_store.cuh",
             name="deep_ep::peer_store_impl",
             template_args=(512,),
-            param_types=("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t"),
+            param_types=("char*", "int", "int", "uint64_t", "const int4*", "uint64_t"),
             include_dirs=(str(get_include_dir()),),
-            use_nccl=True,
         )
     ]
 

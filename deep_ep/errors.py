@@ -17,3 +17,9 @@ class EPTimeoutError(EPError):
 
 class NCCLError(EPError):
     """An NCCL host call failed; the message carries NCCL's own error string."""
+
+
+class EPOperationMismatchError(EPError):
+    """The ranks of a buffer ran different operations at the same step (a dispatch against a combine,
+    or different sizes): every rank's kernels check their peers' signatures and stop. The buffer
+    that raised it is unusable afterwards: destroy it and create a new one."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import zlib
 
 from .jit import KernelSpec, get_kernel
 from .paths import get_include_dir
@@ -42,6 +43,7 @@ class DispatchArgs(ctypes.Structure):
         ("tokens_per_group", ctypes.c_int),
         ("tokens_per_task", ctypes.c_int),
         ("arrival_block", ctypes.c_int),
+        ("op_hash", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
     ]
@@ -59,6 +61,7 @@ class DispatchEpilogueArgs(ctypes.Structure):
         ("num_experts_per_rank", ctypes.c_int),
         ("expert_alignment", ctypes.c_int),
         ("num_out_rows", ctypes.c_int),
+        ("num_meta_rows", ctypes.c_int),
         ("scale_col_stride", ctypes.c_int64),
         ("recv_x", ctypes.c_uint64),
         ("recv_scales", ctypes.c_uint64),
@@ -73,6 +76,7 @@ class DispatchEpilogueArgs(ctypes.Structure):
         ("do_zero_padding", ctypes.c_int),
         ("drain_only", ctypes.c_int),
         ("arrival_block", ctypes.c_int),
+        ("op_hash", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
     ]
@@ -87,10 +91,13 @@ class CombineArgs(ctypes.Structure):
         ("topk_weights", ctypes.c_uint64),
         ("recv_src_metadata", ctypes.c_uint64),
         ("psum_num_recv_tokens_per_rank", ctypes.c_uint64),
+        ("num_x_rows", ctypes.c_int),
+        ("num_meta_rows", ctypes.c_int),
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("rank", ctypes.c_int),
         ("rows_per_task", ctypes.c_int),
         ("arrival_block", ctypes.c_int),
+        ("op_hash", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
     ]
@@ -111,11 +118,13 @@ class CombineEpilogueArgs(ctypes.Structure):
         ("local_topk_weights", ctypes.c_uint64),
         ("psum_num_recv_tokens_per_rank", ctypes.c_uint64),
         ("num_tokens_per_rank", ctypes.c_uint64),
+        ("num_local_rows", ctypes.c_int),
         ("num_tokens", ctypes.c_int),
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("num_experts_per_rank", ctypes.c_int),
         ("rank", ctypes.c_int),
         ("arrival_block", ctypes.c_int),
+        ("op_hash", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
     ]
@@ -123,7 +132,7 @@ class CombineEpilogueArgs(ctypes.Structure):
 
 # Spec builders are memoized: building a KernelSpec resolves include paths on disk (~0.1 ms),
 # which would otherwise be paid by every kernel of every dispatch and combine.
-def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = True) -> KernelSpec:
+def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = False) -> KernelSpec:
     return KernelSpec(
         header=f"deep_ep/kernels/{kernel}.cuh",
         name=f"deep_ep::{kernel}_impl",
@@ -143,7 +152,7 @@ def dispatch_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk:
     return _spec(
         "dispatch",
         (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(cached)),
-        ("ncclDevComm", "ncclWindow_t", "deep_ep::DispatchArgs"),
+        ("deep_ep::DispatchArgs",),
     )
 
 
@@ -152,8 +161,7 @@ def dispatch_expand_rank_spec(num_ranks: int, hidden_bytes: int, scale_bytes: in
     return _spec(
         "dispatch_expand_rank",
         (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_EXPAND_RANK_THREADS),
-        ("char*", "int", "int", "int", "int*", "int", "int64_t*", "uint64_t"),
-        use_nccl=False,
+        ("char*", "int", "int", "int", "int*", "int", "int", "int64_t*", "uint64_t"),
     )
 
 
@@ -163,7 +171,6 @@ def dispatch_epilogue_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, 
         "dispatch_epilogue",
         (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(expand)),
         ("deep_ep::DispatchEpilogueArgs",),
-        use_nccl=False,
     )
 
 
@@ -172,7 +179,7 @@ def combine_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int, expa
     return _spec(
         "combine",
         (num_ranks, hidden, num_topk, num_rows, NUM_THREADS, _bool(expand)),
-        ("ncclDevComm", "ncclWindow_t", "deep_ep::CombineArgs"),
+        ("deep_ep::CombineArgs",),
     )
 
 
@@ -182,18 +189,29 @@ def combine_epilogue_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: 
         "combine_epilogue",
         (num_ranks, hidden, num_topk, num_rows, NUM_THREADS),
         ("deep_ep::CombineEpilogueArgs",),
-        use_nccl=False,
     )
 
 
 @functools.cache
 def barrier_spec(num_ranks: int) -> KernelSpec:
-    return _spec("barrier", (num_ranks,), ("ncclDevComm", "ncclWindow_t", "int", "int64_t*", "uint64_t"))
+    return _spec("barrier", (num_ranks,), ("char*", "int", "int64_t*", "uint64_t"))
 
 
 @functools.cache
 def peer_store_spec() -> KernelSpec:
-    return _spec("peer_store", (NUM_THREADS,), ("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t"))
+    return _spec("peer_store", (NUM_THREADS,), ("char*", "int", "int", "uint64_t", "const int4*", "uint64_t"))
+
+
+@functools.cache
+def nccl_peer_pointers_spec() -> KernelSpec:
+    """The only kernel built against NCCL's headers: an NCCL window's LSA peer pointers."""
+    return _spec("nccl_peer_pointers", (32,), ("ncclWindow_t", "int", "uint64_t*"), use_nccl=True)
+
+
+def op_hash(kind: str, num_max_tokens_per_rank: int, slot_bytes: int, num_topk: int) -> int:
+    """What an operation is, for the signature every rank checks against its peers' (arrivals.cuh):
+    `kind` (`'dispatch'` or `'combine'`) and the sizes that place its slots."""
+    return zlib.crc32(f"{kind}:{num_max_tokens_per_rank}:{slot_bytes}:{num_topk}".encode()) & 0xFFFF
 
 
 @functools.cache
@@ -218,7 +236,7 @@ def moe_specs(num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8_
 
 def warmup_specs() -> list[KernelSpec]:
     """The specialisations of the GPU test sweep and the default benchmark (2 ranks)."""
-    specs = [peer_store_spec()]
+    specs = [peer_store_spec(), nccl_peer_pointers_spec()]
     for hidden in (2048, 7168):
         fp8 = ((hidden // 128) * 4, (hidden // 512) * 4)
         specs += moe_specs(2, hidden, 8, 256, fp8)

@@ -12,15 +12,19 @@ MAX_RANKS = 64
 MAX_CHANNELS = 256
 MAX_LOCAL_EXPERTS = 1024
 SEMAPHORE_OFFSET = 0
-RECV_COUNT_OFFSET = SEMAPHORE_OFFSET + MAX_CHANNELS * MAX_RANKS * 4
-STATUS_OFFSET = RECV_COUNT_OFFSET + MAX_RANKS * 4
+RECV_COUNT_OFFSET = SEMAPHORE_OFFSET + MAX_CHANNELS * MAX_RANKS * 4  # 64-bit count flags per source
+STATUS_OFFSET = RECV_COUNT_OFFSET + MAX_RANKS * 8
 EPILOGUE_DONE_OFFSET = STATUS_OFFSET + 8
 EPOCH_OFFSET = EPILOGUE_DONE_OFFSET + 4
 DISPATCH_TASK_QUEUE_OFFSET = EPOCH_OFFSET + 4
 COMBINE_TASK_QUEUE_OFFSET = DISPATCH_TASK_QUEUE_OFFSET + 8
 EPILOGUE_TASK_QUEUE_OFFSET = COMBINE_TASK_QUEUE_OFFSET + 8
+FAULT_REPORTED_OFFSET = EPILOGUE_TASK_QUEUE_OFFSET + 8
+RANK_OFFSET = FAULT_REPORTED_OFFSET + 4
+NUM_RANKS_OFFSET = RANK_OFFSET + 4
 CREDIT_OFFSET = STATUS_OFFSET + 64
 PEER_WINDOWS_OFFSET = CREDIT_OFFSET + MAX_RANKS * 4
+OP_SIGNATURE_OFFSET = PEER_WINDOWS_OFFSET + MAX_RANKS * 8
 RECV_EXPERT_COUNT_OFFSET = 128 * 1024
 ARRIVAL_OFFSET = 384 * 1024
 MAX_ARRIVAL_BLOCKS = 512  # arrival counters per source rank
@@ -32,8 +36,13 @@ MAX_GROUP_INTS = 4096
 MAX_GROUPS_PER_RANK = 256  # a warp scans one destination's groups with 8 per lane
 DISPATCH_SCRATCH_INTS = 32 + MAX_CHANNELS + MAX_GROUP_INTS + MAX_RANKS * MAX_LOCAL_EXPERTS
 
-# Error block words (int64) and the phases a device wait can time out in
-ERROR_WORDS = ("status", "phase", "rank", "peer", "channel", "observed", "expected")
+# Error block words (int64) and the phases a device wait can fail in (fault.cuh). `rank` is the rank
+# whose wait expired, `reporter` the rank that owns the block; the `input_*` words name the first
+# invalid `topk_idx` value a dispatch found on the device.
+ERROR_WORDS = ("status", "phase", "rank", "peer", "channel", "observed", "expected", "reporter",
+               "input_status", "input_row", "input_lane", "input_value", "input_reason")  # fmt: skip
+ERROR_TIMED_OUT_HERE, ERROR_REPORTED_BY_PEER = 1, 2
+INPUT_OUT_OF_RANGE, INPUT_REPEATED = 1, 2
 PHASES = {
     1: "barrier",
     2: "dispatch entry (peer window credit)",
@@ -42,6 +51,8 @@ PHASES = {
     5: "combine arrivals",
     6: "dispatch grid barrier",
     7: "dispatch counts",
+    8: "operation mismatch (the ranks ran different sequences of operations)",
+    9: "epilogue entry (peer's operation signature)",
 }
 
 

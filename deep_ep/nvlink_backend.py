@@ -1,4 +1,5 @@
-"""`NvlinkBackend`: the `EPBackend` that runs the JIT-compiled NVLink kernels (one NVLink domain)."""
+"""`NvlinkBackend`: the `EPBackend` that runs the JIT-compiled NVLink kernels (one NVLink domain,
+or the virtual ranks of one GPU)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,20 @@ from .backend import (
     EPBackend,
 )
 from .layout import MAX_LOCAL_EXPERTS, MAX_RANKS
-from .nvlink import NvlinkRuntime
+from .loopback import loopback_world
+from .nvlink import DeviceShare, NvlinkRuntime
 
 
 def is_supported(group: dist.ProcessGroup) -> bool:
     """Whether `group` looks like one NVLink domain from here (local answer, no communication).
 
-    An NCCL group no larger than this host's GPU count, whose GPUs all reach each other. The hard
-    check comes at construction: NCCL's LSA team must span exactly the group.
+    An NCCL group no larger than this host's GPU count, whose GPUs all reach each other, or the
+    virtual ranks of one GPU (`deep_ep.loopback`). The hard check comes at construction: NCCL's LSA
+    team must span exactly the group.
     """
+    world = loopback_world(group)
+    if world is not None:
+        return world.device.type == "cuda" and group.size() <= MAX_RANKS
     if not torch.cuda.is_available() or "nccl" not in str(dist.get_backend(group)).lower():
         return False
     num_devices = torch.cuda.device_count()
@@ -44,14 +50,28 @@ class NvlinkBackend(EPBackend):
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
-        self.runtime = NvlinkRuntime(
-            group,
-            config.num_bytes,
-            num_gpu_timeout_secs=config.num_gpu_timeout_secs,
-            num_cpu_timeout_secs=config.num_cpu_timeout_secs,
+        world = loopback_world(group)
+        if world is not None:
+            share = world.device_share(group.rank())
+
+            def open_windows():
+                return world.open_windows(group.rank(), config.num_bytes)
+        else:
+            from .nccl.peer_windows import NcclPeerWindows
+
+            share = DeviceShare.whole_device()
             # EP_NCCL_OWN_COMM=1: our own NCCL communicator instead of borrowing torch's
-            force_own_comm=os.environ.get("EP_NCCL_OWN_COMM", "0") == "1",
-        )
+            own_comm = os.environ.get("EP_NCCL_OWN_COMM", "0") == "1"
+
+            def open_windows():
+                return NcclPeerWindows(group, config.num_bytes, own_comm)
+
+        self.runtime = NvlinkRuntime(open_windows, share, num_gpu_timeout_secs=config.num_gpu_timeout_secs,
+                                     num_cpu_timeout_secs=config.num_cpu_timeout_secs)  # fmt: skip
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.runtime.dead_reason
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         num_local_experts = request.num_experts // self.config.num_ranks
@@ -125,6 +145,7 @@ class NvlinkBackend(EPBackend):
         stream = torch.cuda.current_stream()
         self.runtime.barrier(stream)
         self.runtime.wait(stream, "barrier")
+        self.runtime.take_input_error()
 
     def destroy(self) -> None:
         self.runtime.destroy()

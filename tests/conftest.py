@@ -1,4 +1,5 @@
-"""Shared fixtures: a private JIT cache for the session (never ~/.cache), and a target arch on CPU."""
+"""Shared fixtures: a private JIT cache for the session (never ~/.cache), a target arch on CPU, and enough
+CUDA hardware queues for virtual ranks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Virtual ranks (deep_ep.loopback) need a hardware queue per stream and every kernel loaded when CUDA
+# starts (a lazy load waits for the running kernels); both must be set before CUDA starts
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
 def _gpu_available() -> bool:

@@ -17,12 +17,13 @@ from kernels import jit_specs
 from deep_ep.paths import get_include_dir
 
 
-def peer_store_spec() -> KernelSpec:
+def peer_pointers_spec() -> KernelSpec:
+    """The library's one kernel built against NCCL's device headers."""
     return KernelSpec(
-        header="deep_ep/kernels/peer_store.cuh",
-        name="deep_ep::peer_store_impl",
+        header="deep_ep/kernels/nccl_peer_pointers.cuh",
+        name="deep_ep::nccl_peer_pointers_impl",
         template_args=(256,),
-        param_types=("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t"),
+        param_types=("ncclWindow_t", "int", "uint64_t*"),
         include_dirs=(str(get_include_dir()),),
         use_nccl=True,
     )
@@ -67,7 +68,7 @@ def test_a_damaged_entry_is_detected_removed_and_rebuilt(jit_cache, damage):
 
 def _compile_in_child(barrier: multiprocessing.synchronize.Barrier, queue: multiprocessing.Queue) -> None:
     barrier.wait(timeout=60)
-    entry = compile_spec(peer_store_spec())
+    entry = compile_spec(peer_pointers_spec())
     queue.put((str(entry.path), hashlib.sha256(entry.read_binary()).hexdigest(), stats().get("compile", 0)))
 
 
@@ -85,7 +86,7 @@ def test_two_processes_compiling_the_same_spec_leave_one_valid_entry(jit_cache):
     assert len({r[1] for r in results}) == 1
     assert entry_dirs(jit_cache) == [Path(path)]
     assert not any((jit_cache / "tmp").iterdir())  # the loser discarded its build
-    assert compile_spec(peer_store_spec()).path == Path(path)  # and the entry verifies
+    assert compile_spec(peer_pointers_spec()).path == Path(path)  # and the entry verifies
     print(f"compiles per process: {[r[2] for r in results]}")
 
 

@@ -13,15 +13,16 @@ from kernels import jit_specs
 
 from deep_ep.paths import get_include_dir
 
-PEER_STORE_SYMBOL = "_ZN7deep_ep15peer_store_implILi512EEEv11ncclDevCommP17ncclWindow_vidmemmPK4int4m"
+PEER_POINTERS_SYMBOL = "_ZN7deep_ep23nccl_peer_pointers_implILi512EEEvP17ncclWindow_vidmemiPm"
 
 
-def peer_store_spec(num_threads: int = 512) -> KernelSpec:
+def peer_pointers_spec(num_threads: int = 512) -> KernelSpec:
+    """The library's one kernel built against NCCL's device headers."""
     return KernelSpec(
-        header="deep_ep/kernels/peer_store.cuh",
-        name="deep_ep::peer_store_impl",
+        header="deep_ep/kernels/nccl_peer_pointers.cuh",
+        name="deep_ep::nccl_peer_pointers_impl",
         template_args=(num_threads,),
-        param_types=("ncclDevComm", "ncclWindow_t", "uint64_t", "const int4*", "uint64_t"),
+        param_types=("ncclWindow_t", "int", "uint64_t*"),
         include_dirs=(str(get_include_dir()),),
         use_nccl=True,
     )
@@ -33,13 +34,13 @@ def cubin_sm(data: bytes) -> int:
     return (flags >> 8) & 0xFF if data[8] >= 8 else flags & 0xFF
 
 
-def test_peer_store_compiles_to_an_sm90a_cubin_with_its_mangled_name():
-    entry = compile_spec(peer_store_spec())
+def test_nccl_kernel_compiles_to_an_sm90a_cubin_with_its_mangled_name():
+    entry = compile_spec(peer_pointers_spec())
     data = entry.binary_path.read_bytes()
     assert data[:4] == b"\x7fELF" and cubin_sm(data) == 90
-    assert entry.symbol == PEER_STORE_SYMBOL
-    assert kernel_symbols(data) == [PEER_STORE_SYMBOL]
-    assert entry.metadata["arch"] == "sm_90a" and entry.metadata["name"] == "deep_ep::peer_store_impl<512>"
+    assert entry.symbol == PEER_POINTERS_SYMBOL
+    assert kernel_symbols(data) == [PEER_POINTERS_SYMBOL]
+    assert entry.metadata["arch"] == "sm_90a" and entry.metadata["name"] == "deep_ep::nccl_peer_pointers_impl<512>"
     assert entry.metadata["size"] == len(data)
 
     # The wheel's NCCL headers come first in the include order, before any other -I.
@@ -53,11 +54,8 @@ def test_peer_store_compiles_to_an_sm90a_cubin_with_its_mangled_name():
     # The generated source: the NCCL guard, then exactly one explicit instantiation.
     source = (entry.path / "source.cu").read_text()
     assert f"NCCL_VERSION_CODE != {nccl.header_version}" in source and "#error" in source
-    assert source.index("#include <nccl.h>") < source.index("#include <deep_ep/kernels/peer_store.cuh>")
-    instantiation = (
-        "template __global__ void deep_ep::peer_store_impl<512>"
-        "(ncclDevComm, ncclWindow_t, uint64_t, const int4*, uint64_t);"
-    )
+    assert source.index("#include <nccl.h>") < source.index("#include <deep_ep/kernels/nccl_peer_pointers.cuh>")
+    instantiation = "template __global__ void deep_ep::nccl_peer_pointers_impl<512>(ncclWindow_t, int, uint64_t*);"
     assert source.count("template __global__") == 1 and instantiation in source
 
 
@@ -86,7 +84,7 @@ def test_compile_error_carries_the_nvcc_command_and_stderr(jit_cache):
 def test_wrong_expected_nccl_version_stops_the_build_at_the_guard(jit_cache):
     wrong = find_nccl().header_version + 1
     with pytest.raises(JITCompileError) as caught:
-        compile_spec(peer_store_spec(), expected_nccl_version=wrong)
+        compile_spec(peer_pointers_spec(), expected_nccl_version=wrong)
     assert f"is not NCCL_VERSION_CODE {wrong}" in caught.value.stderr  # our #error text, reported by nvcc
     assert "#error" in caught.value.stderr or "error" in caught.value.stderr
 
@@ -103,9 +101,9 @@ def test_ptxas_check_rejects_local_memory_also_on_a_cache_hit(jit_cache, monkeyp
     assert compile_spec(jit_specs.spill()).symbol is not None
 
 
-def test_ptxas_check_accepts_peer_store(monkeypatch):
+def test_ptxas_check_accepts_the_nccl_kernel(monkeypatch):
     monkeypatch.setenv("EP_JIT_PTXAS_CHECK", "1")
-    entry = compile_spec(peer_store_spec())
+    entry = compile_spec(peer_pointers_spec())
     (resources,) = entry.metadata["resources"].values()
     assert resources["stack_frame"] == resources["spill_stores"] == resources["spill_loads"] == 0
 

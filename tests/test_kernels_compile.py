@@ -1,8 +1,10 @@
-"""Every NVLink kernel specialisation the GPU tests and the benchmark use compiles for sm_90a
-against the installed NCCL headers, with no local memory and no spills (EP_JIT_PTXAS_CHECK)."""
+"""Every NVLink kernel specialisation the GPU tests and the benchmark use compiles for sm_90a (the
+NCCL one against the installed NCCL headers), with no local memory and no spills (EP_JIT_PTXAS_CHECK);
+the ctypes mirrors of the kernel argument structs match the C++ structs."""
 
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,7 +24,7 @@ def test_warmup_specs_compile_without_spills():
     specs = kernels.warmup_specs()
     names = {spec.name for spec in specs}
     for kernel in ("dispatch", "dispatch_expand_rank", "dispatch_epilogue", "combine", "combine_epilogue",
-                   "barrier", "peer_store"):  # fmt: skip
+                   "barrier", "peer_store", "nccl_peer_pointers"):  # fmt: skip
         assert f"deep_ep::{kernel}_impl" in names, kernel
     with ThreadPoolExecutor(max_workers=2) as pool:
         entries = list(pool.map(compile_spec, specs))
@@ -39,3 +41,32 @@ def test_moe_specs_cover_both_layouts_and_scale_formats():
     combine = {s.template_args[3:6] for s in specs if s.name == "deep_ep::combine_impl"}
     assert combine == {(1, 512, "false"), (1, 512, "true"), (8, 512, "true")}
     assert all(isinstance(s, KernelSpec) for s in specs)
+
+
+def _mirror_assertions() -> str:
+    lines = ["#include <cstddef>", "#include <deep_ep/kernels/dispatch.cuh>", "#include <deep_ep/kernels/dispatch_epilogue.cuh>",
+             "#include <deep_ep/kernels/combine.cuh>", "#include <deep_ep/kernels/combine_epilogue.cuh>"]  # fmt: skip
+    for mirror in (
+        kernels.DispatchArgs,
+        kernels.DispatchEpilogueArgs,
+        kernels.CombineArgs,
+        kernels.CombineEpilogueArgs,
+    ):
+        name = f"deep_ep::{mirror.__name__}"
+        lines.append(f'static_assert(sizeof({name}) == {ctypes.sizeof(mirror)}, "{mirror.__name__} size");')
+        for field, _ in mirror._fields_:
+            offset = getattr(mirror, field).offset
+            lines.append(f'static_assert(offsetof({name}, {field}) == {offset}, "{mirror.__name__}.{field}");')
+    return "\n".join(lines)
+
+
+def test_ctypes_argument_mirrors_match_the_kernel_structs(tmp_path):
+    (tmp_path / "mirror_check.cuh").write_text(
+        "#pragma once\n"
+        + _mirror_assertions()
+        + "\ntemplate <int kUnused> __global__ void mirror_check_impl(int* out) "
+        "{ *out = kUnused; }\n"
+    )
+    spec = KernelSpec(header="mirror_check.cuh", name="mirror_check_impl", template_args=(0,), param_types=("int*",),
+                      include_dirs=(str(tmp_path), *kernels.barrier_spec(2).include_dirs))  # fmt: skip
+    compile_spec(spec)

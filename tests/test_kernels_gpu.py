@@ -451,7 +451,7 @@ def _options_rank(rank, num_ranks, seed, own_comm):
     if own_comm:
         os.environ["EP_NCCL_OWN_COMM"] = "1"
     buffers = {b: _buffer(b, 256, 2048, deterministic=True) for b in ("kernels", "reference")}
-    assert buffers["kernels"].backend.runtime.comm.is_own == own_comm
+    assert buffers["kernels"].backend.runtime.windows.comm.is_own == own_comm
     num_local_experts = NUM_EXPERTS // num_ranks
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)
     for step, (previous, asynchronous, on_comm) in enumerate(itertools.product((False, True), repeat=3)):

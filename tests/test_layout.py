@@ -24,8 +24,12 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kDispatchTaskQueueOffset == {layout.DISPATCH_TASK_QUEUE_OFFSET});",
         f"static_assert(deep_ep::kCombineTaskQueueOffset == {layout.COMBINE_TASK_QUEUE_OFFSET});",
         f"static_assert(deep_ep::kEpilogueTaskQueueOffset == {layout.EPILOGUE_TASK_QUEUE_OFFSET});",
+        f"static_assert(deep_ep::kFaultReportedOffset == {layout.FAULT_REPORTED_OFFSET});",
+        f"static_assert(deep_ep::kRankOffset == {layout.RANK_OFFSET});",
+        f"static_assert(deep_ep::kNumRanksOffset == {layout.NUM_RANKS_OFFSET});",
         f"static_assert(deep_ep::kCreditOffset == {layout.CREDIT_OFFSET});",
         f"static_assert(deep_ep::kPeerWindowsOffset == {layout.PEER_WINDOWS_OFFSET});",
+        f"static_assert(deep_ep::kOpSignatureOffset == {layout.OP_SIGNATURE_OFFSET});",
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
         f"static_assert(deep_ep::kArrivalOffset == {layout.ARRIVAL_OFFSET});",
         f"static_assert(deep_ep::kMaxArrivalBlocks == {layout.MAX_ARRIVAL_BLOCKS});",
@@ -35,6 +39,13 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kMaxLocalExperts == {layout.MAX_LOCAL_EXPERTS});",
         f"static_assert(deep_ep::kDispatchScratchInts == {layout.DISPATCH_SCRATCH_INTS});",
         f"static_assert(deep_ep::kErrWords == {len(layout.ERROR_WORDS)});",
+        f"static_assert(deep_ep::kErrReporter == {layout.ERROR_WORDS.index('reporter')});",
+        f"static_assert(deep_ep::kErrInputStatus == {layout.ERROR_WORDS.index('input_status')});",
+        f"static_assert(deep_ep::kErrInputReason == {layout.ERROR_WORDS.index('input_reason')});",
+        f"static_assert(deep_ep::kErrTimedOutHere == {layout.ERROR_TIMED_OUT_HERE});",
+        f"static_assert(deep_ep::kErrReportedByPeer == {layout.ERROR_REPORTED_BY_PEER});",
+        f"static_assert(deep_ep::kInputOutOfRange == {layout.INPUT_OUT_OF_RANGE});",
+        f"static_assert(deep_ep::kInputRepeated == {layout.INPUT_REPEATED});",
     ]
     for hidden_bytes, scale_bytes, topk in SHAPES:
         py = layout.DispatchRecordLayout(hidden_bytes, scale_bytes, topk)
@@ -53,7 +64,9 @@ def _assertions(offset_delta: int = 0) -> str:
         constant = {"barrier": "kPhaseBarrier", "dispatch entry (peer window credit)": "kPhaseDispatchEntry",
                     "dispatch arrivals": "kPhaseDispatchArrival", "combine entry (peer window credit)": "kPhaseCombineEntry",
                     "combine arrivals": "kPhaseCombineArrival", "dispatch grid barrier": "kPhaseDispatchGrid",
-                    "dispatch counts": "kPhaseDispatchCounts"}[name]  # fmt: skip
+                    "dispatch counts": "kPhaseDispatchCounts",
+                    "operation mismatch (the ranks ran different sequences of operations)": "kPhaseOpMismatch",
+                    "epilogue entry (peer's operation signature)": "kPhaseOpSignature"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")
     return "\n".join(lines)
 

@@ -15,11 +15,12 @@ from ..errors import NCCLError
 from .library import NCCL_UNIQUE_ID_BYTES, UniqueId, get_nccl_library
 
 
-def _torch_comm_ptr(group: dist.ProcessGroup) -> int:
+def torch_comm_ptr(group: dist.ProcessGroup) -> int:
+    """The `ncclComm_t` torch's process group holds for `group` (0 when it has none, or no longer)."""
     try:
         backend = group._get_backend(torch.device("cuda"))
         return int(backend._comm_ptr())
-    except (RuntimeError, AttributeError):
+    except (RuntimeError, AttributeError, ValueError):
         return 0
 
 
@@ -43,13 +44,13 @@ class Communicator:
             self.is_own = True
 
     def _borrow(self) -> int:
-        ptr = _torch_comm_ptr(self.group)
+        ptr = torch_comm_ptr(self.group)
         if ptr == 0:
             # torch creates its communicator lazily, on the first collective
             probe = torch.zeros(1, device="cuda")
             dist.all_reduce(probe, group=self.group)
             torch.cuda.synchronize()
-            ptr = _torch_comm_ptr(self.group)
+            ptr = torch_comm_ptr(self.group)
         return ptr
 
     def _create(self) -> int:

@@ -17,27 +17,75 @@ namespace deep_ep {
 
 // One thread waits until `*counter >= expected`, compared as a difference so that counters may
 // wrap around (acquire: what was released before the counter's increments is visible to this
-// thread, and to its warp after a __syncwarp). Returns false when the deadline passed or another
-// wait of this buffer failed; the error is then recorded. Polls back off a little: hundreds of
-// warps spinning on a few counters load the L2 slices that also take the incoming NVLink writes.
+// thread, and to its warp after a __syncwarp). Returns false when the deadline passed or the buffer
+// failed (here or on a peer; fault.cuh), also when the counter is there already; the error is then
+// recorded. Polls back off a little: hundreds of warps spinning on a few counters load the L2
+// slices that also take the incoming NVLink writes.
 __device__ __forceinline__ bool counter_reached(int observed, int expected) {
     return static_cast<int>(static_cast<unsigned>(observed) - static_cast<unsigned>(expected)) >= 0;
 }
 
+constexpr unsigned kPollBackoffNs = 200;
+
 __device__ __forceinline__ bool wait_counter(const int* counter, int expected, const FaultSink& fault, int phase,
                                              int rank, int peer, int channel, uint64_t timeout_ns) {
-    constexpr unsigned kPollBackoffNs = 200;
     int observed = ld_acquire_sys(counter);
-    if (counter_reached(observed, expected)) return true;
+    if (counter_reached(observed, expected)) return not fault.check();
     const uint64_t deadline = global_timer_ns() + timeout_ns;
     while (not counter_reached(observed = ld_acquire_sys(counter), expected)) {
-        if (fault.has_error() || global_timer_ns() > deadline) {
+        if (fault.check()) return false;
+        if (global_timer_ns() > deadline) {
             fault.report_timeout(phase, rank, peer, channel, observed, expected);
             return false;
         }
         __nanosleep(kPollBackoffNs);
     }
     return true;
+}
+
+// An operation's signature: the low 16 bits of the epoch it runs at (every rank runs its k-th
+// operation at epoch k), then the host's hash of what it is, whose top bit is set so that a
+// signature is never zero. Peers that run a different operation, or the same one with other
+// sizes, leave a different one.
+__device__ __forceinline__ uint32_t op_signature(int epoch, int op_hash) {
+    return static_cast<uint32_t>(epoch) << 16 | (static_cast<uint32_t>(op_hash) & 0xffffu) | 0x8000u;
+}
+
+// A dispatch count flag: the signature, then the token count + 1
+__device__ __forceinline__ uint64_t count_flag(uint32_t signature, int count) {
+    return static_cast<uint64_t>(signature) << 32 | static_cast<uint32_t>(count + 1);
+}
+
+__device__ __forceinline__ uint64_t* count_flags(void* window) {
+    return reinterpret_cast<uint64_t*>(static_cast<char*>(window) + kRecvCountOffset);
+}
+
+// One thread waits for `src_rank`'s count flag in `window` and returns its count (clamped to
+// [0, num_max_tokens_per_rank]), or -1 when the wait failed or the source runs another operation
+// (recorded as a failure: the ranks' sequences of operations diverged).
+__device__ __forceinline__ int wait_count_flag(char* window, int src_rank, uint32_t signature,
+                                               int num_max_tokens_per_rank, const FaultSink& fault, int rank,
+                                               int channel, uint64_t timeout_ns) {
+    const uint64_t* flag = count_flags(window) + src_rank;
+    uint64_t value = ld_acquire_sys_u64(flag);
+    if (static_cast<uint32_t>(value) == 0) {
+        const uint64_t deadline = global_timer_ns() + timeout_ns;
+        while (static_cast<uint32_t>(value = ld_acquire_sys_u64(flag)) == 0) {
+            if (fault.check()) return -1;
+            if (global_timer_ns() > deadline) {
+                fault.report_timeout(kPhaseDispatchCounts, rank, src_rank, channel, 0, 1);
+                return -1;
+            }
+            __nanosleep(kPollBackoffNs);
+        }
+    }
+    if (fault.check()) return -1;
+    if (static_cast<uint32_t>(value >> 32) != signature) {
+        fault.report_timeout(kPhaseOpMismatch, rank, src_rank, channel, static_cast<int>(value >> 32),
+                             static_cast<int>(signature));
+        return -1;
+    }
+    return min(max(static_cast<int>(static_cast<uint32_t>(value)) - 1, 0), num_max_tokens_per_rank);
 }
 
 __device__ __forceinline__ int* arrival_counters(void* window, int src_rank) {
@@ -73,17 +121,18 @@ __device__ __forceinline__ void reset_arrival_counters(char* window, int arrival
     }
 }
 
-// Dispatch, receiving side: how many records each source sends us (the senders' count flags hold
-// count + 1), into `num_recv[kNumRanks]` in shared memory. Every thread of the CTA calls it;
-// returns false on every thread when a wait failed.
+// Dispatch, receiving side: how many records each source sends us, from the sources' count flags
+// (which must carry `signature`), into `num_recv[kNumRanks]` in shared memory. Every thread of the
+// CTA calls it; returns false on every thread when a wait failed.
 template <int kNumRanks>
-__device__ __forceinline__ bool wait_recv_counts(const char* window, int num_max_tokens_per_rank, int* num_recv,
-                                                 const FaultSink& fault, int rank, uint64_t timeout_ns) {
+__device__ __forceinline__ bool wait_recv_counts(char* window, uint32_t signature, int num_max_tokens_per_rank,
+                                                 int* num_recv, const FaultSink& fault, int rank, uint64_t timeout_ns) {
     bool ok = true;
     if (threadIdx.x < kNumRanks) {
-        const int* flag = reinterpret_cast<const int*>(window + kRecvCountOffset) + threadIdx.x;
-        ok = wait_counter(flag, 1, fault, kPhaseDispatchCounts, rank, threadIdx.x, blockIdx.x, timeout_ns);
-        num_recv[threadIdx.x] = ok ? min(ld_relaxed_sys(flag) - 1, num_max_tokens_per_rank) : 0;
+        const int count = wait_count_flag(window, threadIdx.x, signature, num_max_tokens_per_rank, fault, rank,
+                                          blockIdx.x, timeout_ns);
+        ok = count >= 0;
+        num_recv[threadIdx.x] = ok ? count : 0;
     }
     return __syncthreads_and(ok);
 }

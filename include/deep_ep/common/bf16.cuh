@@ -28,13 +28,14 @@ __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
 }
 
 // One part of a row (`kUnroll` vectors per lane, every load in flight before the first use), and
-// its sum into FP32 accumulators; lanes past the row's end load and add nothing.
-template <int kNumVectors, int kUnroll>
+// its sum into FP32 accumulators; lanes past the row's end load and add nothing. Rows in the window
+// (`kFromWindow`), which peers write while the kernel runs, take coherent loads.
+template <int kNumVectors, int kUnroll, bool kFromWindow = false>
 __device__ __forceinline__ void load_part(int lane_idx, int part, const int4* row, int4 (&values)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
         const int v = part * 32 * kUnroll + u * 32 + lane_idx;
-        if (v < kNumVectors) values[u] = ld_nc_v4(row + v);
+        if (v < kNumVectors) values[u] = kFromWindow ? ld_window_v4(row + v) : ld_nc_v4(row + v);
     }
 }
 

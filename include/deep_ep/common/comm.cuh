@@ -1,12 +1,12 @@
 #pragma once
 
-// Cross-rank synchronisation over the symmetric window (LSA: plain loads/stores over NVLink).
+// Cross-rank synchronisation over the symmetric window: stores, loads and atomics on every rank's
+// window base, which the host leaves in each window's workspace when the window is created (NCCL's
+// LSA pointers over NVLink, or the windows of virtual ranks on one GPU). No NCCL call on the device.
 // Channel c of every rank pairs with channel c of every other rank through counting semaphores:
 // rank r signals peer p by adding 1 to p's semaphore [c][r], and waits until its own [c][p] is
 // positive, then takes the token back. Semaphores return to zero after every completed barrier,
 // so the workspace stays zeroed between kernels.
-
-#include <nccl_device.h>
 
 #include "arrivals.cuh"
 #include "credits.cuh"
@@ -16,28 +16,36 @@
 
 namespace deep_ep {
 
+// Every rank's window base, from our own workspace (our own base is the address we write through).
+__device__ __forceinline__ void* const* peer_window_table(const char* own_window) {
+    return reinterpret_cast<void* const*>(own_window + kPeerWindowsOffset);
+}
+
 __device__ __forceinline__ int* workspace_semaphore(void* workspace, int channel, int src_rank) {
     return reinterpret_cast<int*>(static_cast<char*>(workspace) + kSemaphoreOffset) + channel * kMaxRanks + src_rank;
 }
 
-// Every thread of the CTA must call it. `peer_windows[r]` is rank r's window base (LSA pointer).
-// Returns false (on every thread) when a peer missed the deadline; the error is already recorded.
+// Every thread of the CTA must call it. Returns false (on every thread) when a peer missed the
+// deadline or the buffer failed; the error is recorded.
 template <int kNumRanks>
-__device__ __forceinline__ bool channel_barrier(void* const* peer_windows, int rank, int channel, int phase,
-                                                int64_t* error_block, uint64_t timeout_ns) {
-    const FaultSink fault = make_fault_sink(peer_windows[rank], error_block);
-    bool ok = true;
-    __syncthreads();
-    if (threadIdx.x < kNumRanks) {
+__device__ __forceinline__ bool channel_barrier(char* own_window, int rank, int channel, int phase,
+                                                const FaultSink& fault, uint64_t timeout_ns) {
+    bool ok = not buffer_failed(fault);
+    if (ok and threadIdx.x < kNumRanks) {
         const int peer = threadIdx.x;
+        void* const* peers = peer_window_table(own_window);
         // Release everything this CTA wrote (to any rank) before the peer may read it.
         fence_acq_rel_sys();
-        atomic_add_release_sys(workspace_semaphore(peer_windows[peer], channel, rank), 1);
-        int* mine = workspace_semaphore(peer_windows[rank], channel, peer);
+        atomic_add_release_sys(workspace_semaphore(peers[peer], channel, rank), 1);
+        int* mine = workspace_semaphore(own_window, channel, peer);
         const uint64_t deadline = global_timer_ns() + timeout_ns;
         int observed;
         while ((observed = ld_acquire_sys(mine)) < 1) {
-            if (fault.has_error() || global_timer_ns() > deadline) {
+            if (fault.check()) {
+                ok = false;
+                break;
+            }
+            if (global_timer_ns() > deadline) {
                 fault.report_timeout(phase, rank, peer, channel, observed, 1);
                 ok = false;
                 break;
@@ -48,11 +56,11 @@ __device__ __forceinline__ bool channel_barrier(void* const* peer_windows, int r
     return __syncthreads_and(ok);
 }
 
-// Every CTA of the grid waits for all the others (the grid must be co-resident: at most one CTA
-// per SM, as for every communication kernel). `arrive` returns to zero; the last CTA in publishes
-// `tag` in `generation`, which must differ from the tag of the previous barrier on these words (so
-// no CTA reads `generation` before it arrives). Returns false (on every thread) when the deadline
-// passed; the error is recorded.
+// Every CTA of the grid waits for all the others (the grid must be co-resident: the fresh dispatch
+// is a cooperative launch). `arrive` returns to zero; the last CTA in publishes `tag` in
+// `generation`, which must differ from the tag of the previous barrier on these words (so no CTA
+// reads `generation` before it arrives). Returns false (on every thread) when the deadline passed
+// or the buffer failed; the error is recorded.
 __device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, int tag, const FaultSink& fault, int phase,
                                              int rank, uint64_t timeout_ns) {
     __shared__ int passed;
@@ -62,12 +70,18 @@ __device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, int t
         __threadfence();
         bool ok = true;
         if (atomicAdd(arrive, 1) == static_cast<int>(gridDim.x) - 1) {
+            // Acquire the other CTAs' writes (their fences came before their adds) before releasing them all
+            __threadfence();
             *arrive = 0;
             st_release_sys(generation, tag);
         } else {
             const uint64_t deadline = global_timer_ns() + timeout_ns;
             while (ld_acquire_sys(generation) != tag) {
-                if (fault.has_error() || global_timer_ns() > deadline) {
+                if (fault.check()) {
+                    ok = false;
+                    break;
+                }
+                if (global_timer_ns() > deadline) {
                     fault.report_timeout(phase, rank, rank, blockIdx.x, ld_relaxed_sys(arrive), gridDim.x);
                     ok = false;
                     break;
@@ -80,27 +94,17 @@ __device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, int t
     return passed;
 }
 
-// LSA base pointers of every rank's window, gathered once per CTA into shared memory.
+// A communication kernel's entry: every rank's window base into shared memory, and the wait until
+// every peer's window takes our writes (credits.cuh), which also stops the kernel when the buffer
+// has failed. Every thread of the CTA calls it; returns false (on every thread) when a peer missed
+// the deadline or the buffer failed.
 template <int kNumRanks>
-__device__ __forceinline__ void load_peer_windows(ncclWindow_t window, void** smem_peer_windows) {
-    if (threadIdx.x < kNumRanks) smem_peer_windows[threadIdx.x] = ncclGetLsaPointer(window, 0, threadIdx.x);
-    __syncthreads();
-}
-
-// A communication kernel's entry: the LSA base pointers of every rank's window into shared memory,
-// and the wait until every peer's window takes our writes (credits.cuh), with both sets of loads
-// in flight together. CTA 0 also leaves the pointers in our workspace for the epilogue, which
-// posts our credits but is built without NCCL. `own_window` is our window base. Every thread of the
-// CTA calls it; returns false (on every thread) when a peer missed the deadline.
-template <int kNumRanks>
-__device__ __forceinline__ bool open_peer_windows(ncclWindow_t window, char* own_window, void** smem_peer_windows,
-                                                  int rank, int phase, const FaultSink& fault, uint64_t timeout_ns) {
+__device__ __forceinline__ bool open_peer_windows(char* own_window, void** smem_peer_windows, int rank, int phase,
+                                                  const FaultSink& fault, uint64_t timeout_ns) {
     bool ok = true;
     if (threadIdx.x < kNumRanks) {
-        void* peer_window = ncclGetLsaPointer(window, 0, threadIdx.x);
+        smem_peer_windows[threadIdx.x] = peer_window_table(own_window)[threadIdx.x];
         ok = wait_window_credit(own_window, threadIdx.x, rank, phase, fault, timeout_ns);
-        smem_peer_windows[threadIdx.x] = peer_window;
-        if (blockIdx.x == 0) reinterpret_cast<void**>(own_window + kPeerWindowsOffset)[threadIdx.x] = peer_window;
     }
     return __syncthreads_and(ok);
 }

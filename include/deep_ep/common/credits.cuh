@@ -7,7 +7,7 @@
 // epoch: both ranks run the same sequence of dispatches and combines, so equal epochs mean we are
 // done with the previous one. The credit is posted at the end of an operation, so in steady state
 // it is already there when the next one starts: no entry barrier, no round trip before sending.
-// Plain device memory operations only (no NCCL), so epilogues include it.
+// Plain device memory operations only, so every kernel includes it.
 
 #include "arrivals.cuh"
 #include "fault.cuh"
@@ -35,25 +35,29 @@ __device__ __forceinline__ bool wait_window_credit(char* own_window, int peer, i
 // launch: until then it may still read the count flags), returns the epilogue's task queue, the
 // arrival counters (`num_slots(s)` slots from each source s) and, with `clear_recv_counts`, the
 // dispatch count flags to zero, counts the operation in the epoch and posts it to every rank as our
-// credit.
+// credit. After a failure (fault.cuh) it does none of that: the window is left as it is and no peer
+// may write into it again.
 template <int kNumRanks, typename NumSlots>
 __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arrival_block, bool clear_recv_counts,
-                                                NumSlots num_slots) {
+                                                const FaultSink& fault, NumSlots num_slots) {
     __shared__ bool is_last;
     __syncthreads();
     if (threadIdx.x == 0) {
         int* done = reinterpret_cast<int*>(window + kEpilogueDoneOffset);
         __threadfence();  // our CTA's reads of the window come before the last CTA's zeroing
         is_last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;
-        if (is_last) *done = 0;
+        if (is_last) {
+            __threadfence();  // and the other CTAs' reads (fenced before their adds) before ours
+            *done = 0;
+        }
     }
     __syncthreads();
     if (not is_last) return;
     griddep_wait();
+    if (buffer_failed(fault)) return;
     if (threadIdx.x == 0) TaskQueue::reset(reinterpret_cast<int*>(window + kEpilogueTaskQueueOffset));
     reset_arrival_counters<kNumRanks>(window, arrival_block, num_slots);
-    if (clear_recv_counts and threadIdx.x < kNumRanks)
-        reinterpret_cast<int*>(window + kRecvCountOffset)[threadIdx.x] = 0;
+    if (clear_recv_counts and threadIdx.x < kNumRanks) count_flags(window)[threadIdx.x] = 0;
     int* epoch_word = reinterpret_cast<int*>(window + kEpochOffset);
     const int epoch = static_cast<int>(static_cast<unsigned>(*epoch_word) + 1u);
     __syncthreads();
@@ -64,6 +68,57 @@ __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arri
         fence_acq_rel_sys();
         st_relaxed_sys(window_credits(peer) + rank, epoch);
     }
+}
+
+__device__ __forceinline__ int* op_signatures(void* window) {
+    return reinterpret_cast<int*>(static_cast<char*>(window) + kOpSignatureOffset);
+}
+
+// A communication kernel's CTA 0 leaves its operation's signature in every peer's workspace (after
+// its credits: the peer's previous epilogue has checked the previous one). Every thread calls it.
+template <int kNumRanks>
+__device__ __forceinline__ void post_op_signature(void* const* peer_windows, int rank, uint32_t signature) {
+    if (blockIdx.x == 0 and threadIdx.x < kNumRanks)
+        st_relaxed_sys(op_signatures(peer_windows[threadIdx.x]) + rank, static_cast<int>(signature));
+}
+
+// An epilogue's check that every peer runs this operation too: each peer's communication kernel
+// leaves its signature in our workspace right after its window credits, before any data. Every
+// thread of the CTA calls it; returns false (on every thread) when a peer runs another operation
+// (a failure, recorded) or the wait failed.
+template <int kNumRanks>
+__device__ __forceinline__ bool wait_op_signatures(char* window, uint32_t signature, const FaultSink& fault, int rank,
+                                                   uint64_t timeout_ns) {
+    bool ok = true;
+    if (threadIdx.x < kNumRanks) {
+        const int* word = op_signatures(window) + threadIdx.x;
+        const uint32_t epoch_bits = signature >> 16;
+        // Zero: never written (a signature never is zero, also at epoch 0)
+        auto is_current = [&](uint32_t value) { return value != 0 and value >> 16 == epoch_bits; };
+        uint32_t observed = static_cast<uint32_t>(ld_acquire_sys(word));
+        if (not is_current(observed)) {
+            const uint64_t deadline = global_timer_ns() + timeout_ns;
+            while (not is_current(observed = static_cast<uint32_t>(ld_acquire_sys(word)))) {
+                if (fault.check()) {
+                    ok = false;
+                    break;
+                }
+                if (global_timer_ns() > deadline) {
+                    fault.report_timeout(kPhaseOpSignature, rank, threadIdx.x, blockIdx.x, static_cast<int>(observed),
+                                         static_cast<int>(signature));
+                    ok = false;
+                    break;
+                }
+                __nanosleep(kPollBackoffNs);
+            }
+        }
+        if (ok and observed != signature) {
+            fault.report_timeout(kPhaseOpMismatch, rank, threadIdx.x, blockIdx.x, static_cast<int>(observed),
+                                 static_cast<int>(signature));
+            ok = false;
+        }
+    }
+    return __syncthreads_and(ok);
 }
 
 }  // namespace deep_ep

@@ -1,8 +1,19 @@
 #pragma once
 
-// Device-side deadlines. A wait that passes its deadline records what it waited for in a
-// host-mapped error block and makes the kernel return: Python turns the record into
-// `EPTimeoutError`. Never `trap`: a trapped context is lost for the whole process.
+// Device-side faults. A wait that passes its deadline records what it waited for in a host-mapped
+// error block and makes the kernel return: Python turns the record into `EPTimeoutError`. Never
+// `trap`: a trapped context is lost for the whole process.
+//
+// A failure is sticky and shared: the rank whose wait expired writes it into its window's status
+// word and into every peer's, so every kernel of the buffer on every rank stops within one deadline:
+// kernels check the word at entry and in every wait, and a failed epilogue neither resets the
+// window's words nor posts its credit (a peer must not write into a window whose owner stopped
+// reading). The first kernel of a rank that finds a failure copies it into that rank's error block,
+// so every host raises. A failed buffer stays failed until it is destroyed.
+//
+// Invalid routing that a dispatch finds on the device without a CPU sync (CUDA graphs) is not a
+// failure: nothing is sent, the handle says so, and the input error block words name the first bad
+// value for the host to raise at its next call.
 
 #include <cstdint>
 
@@ -11,8 +22,28 @@
 
 namespace deep_ep {
 
-// Error block layout (int64 words); deep_ep/layout.py mirrors it.
-enum ErrorWord : int { kErrStatus = 0, kErrPhase, kErrRank, kErrPeer, kErrChannel, kErrObserved, kErrExpected, kErrWords };
+// Error block layout (int64 words); deep_ep/layout.py mirrors it. `kErrRank` is the rank whose wait
+// expired, `kErrReporter` the rank that owns the block (they differ when a peer told us).
+enum ErrorWord : int {
+    kErrStatus = 0,
+    kErrPhase,
+    kErrRank,
+    kErrPeer,
+    kErrChannel,
+    kErrObserved,
+    kErrExpected,
+    kErrReporter,
+    kErrInputStatus,
+    kErrInputRow,
+    kErrInputLane,
+    kErrInputValue,
+    kErrInputReason,
+    kErrWords
+};
+
+// `kErrStatus` values, and `kErrInputReason` values
+constexpr int64_t kErrTimedOutHere = 1, kErrReportedByPeer = 2;
+constexpr int64_t kInputOutOfRange = 1, kInputRepeated = 2;
 
 enum Phase : int {
     kPhaseBarrier = 1,
@@ -22,42 +53,98 @@ enum Phase : int {
     kPhaseCombineArrival = 5,
     kPhaseDispatchGrid = 6,
     kPhaseDispatchCounts = 7,
+    kPhaseOpMismatch = 8,
+    kPhaseOpSignature = 9,
 };
 
-// Where a kernel tells the others of its buffer that a wait failed: the status word of the
-// local workspace, and the host-mapped error block that Python reads.
+// The status word: 0 while healthy; else the phase (bits 0-7), the rank whose wait expired + 1
+// (bits 8-23), the rank it waited for + 1 (bits 24-39) and, when a peer wrote it, bit 40.
+constexpr uint64_t kFaultPostedBit = 1ull << 40;
+
+__device__ __forceinline__ uint64_t encode_fault(int phase, int rank, int peer) {
+    return static_cast<uint64_t>(phase & 0xff) | static_cast<uint64_t>((rank + 1) & 0xffff) << 8 |
+           static_cast<uint64_t>((peer + 1) & 0xffff) << 24;
+}
+
 struct FaultSink {
-    int64_t* error_block;  // host-mapped, written once
-    int64_t* status;       // local workspace, polled
+    int64_t* error_block;  // host-mapped, written once per failure
+    char* window;          // this rank's window: status word, reported flag, rank, peers' windows
+
+    __device__ __forceinline__ uint64_t* status() const { return reinterpret_cast<uint64_t*>(window + kStatusOffset); }
 
     __device__ __forceinline__ bool has_error() const {
-        return *reinterpret_cast<const volatile int64_t*>(status) != 0;
+        return *reinterpret_cast<const volatile uint64_t*>(status()) != 0;
+    }
+
+    // Whether the buffer has failed (here or on a peer); a peer's failure is copied into our error
+    // block the first time a thread of ours sees it.
+    __device__ __forceinline__ bool check() const {
+        const uint64_t value = *reinterpret_cast<const volatile uint64_t*>(status());
+        if (value == 0) return false;
+        record(value, -1, -1, -1);
+        return true;
     }
 
     __device__ __forceinline__ void report_timeout(int phase, int rank, int peer, int channel, int observed,
                                                    int expected) const {
-        // The first failure wins; later ones (other CTAs giving up on the same peer) add nothing.
-        if (atomicCAS(reinterpret_cast<unsigned long long*>(status), 0ull, 1ull) == 0ull) {
-            volatile int64_t* block = error_block;
-            block[kErrPhase] = phase;
-            block[kErrRank] = rank;
-            block[kErrPeer] = peer;
-            block[kErrChannel] = channel;
-            block[kErrObserved] = observed;
-            block[kErrExpected] = expected;
-            __threadfence_system();
-            block[kErrStatus] = 1;
-            __threadfence_system();
+        const uint64_t value = encode_fault(phase, rank, peer);
+        // The first failure wins; later ones (other CTAs giving up on the same peer) add nothing
+        const auto previous = atomicCAS(reinterpret_cast<unsigned long long*>(status()), 0ull, value);
+        if (previous != 0ull) {
+            record(previous, -1, -1, -1);
+            return;
         }
+        record(value, channel, observed, expected);
+        // Tell every peer, whose waits then stop too (a peer's own earlier failure stays)
+        const int num_ranks = *reinterpret_cast<const int*>(window + kNumRanksOffset);
+        const int self = *reinterpret_cast<const int*>(window + kRankOffset);
+        void* const* peers = reinterpret_cast<void* const*>(window + kPeerWindowsOffset);
+        for (int p = 0; p < num_ranks; ++p) {
+            if (p == self) continue;
+            atomicCAS_system(reinterpret_cast<unsigned long long*>(static_cast<char*>(peers[p]) + kStatusOffset), 0ull,
+                             value | kFaultPostedBit);
+        }
+    }
+
+private:
+    __device__ __forceinline__ void record(uint64_t value, int channel, int observed, int expected) const {
+        if (atomicCAS(reinterpret_cast<int*>(window + kFaultReportedOffset), 0, 1) != 0) return;
+        volatile int64_t* block = error_block;
+        block[kErrPhase] = static_cast<int64_t>(value & 0xff);
+        block[kErrRank] = static_cast<int64_t>((value >> 8) & 0xffff) - 1;
+        block[kErrPeer] = static_cast<int64_t>((value >> 24) & 0xffff) - 1;
+        block[kErrChannel] = channel;
+        block[kErrObserved] = observed;
+        block[kErrExpected] = expected;
+        block[kErrReporter] = *reinterpret_cast<const int*>(window + kRankOffset);
+        __threadfence_system();
+        block[kErrStatus] = (value & kFaultPostedBit) ? kErrReportedByPeer : kErrTimedOutHere;
+        __threadfence_system();
     }
 };
 
 __device__ __forceinline__ FaultSink make_fault_sink(void* local_window, int64_t* error_block) {
-    return {error_block, reinterpret_cast<int64_t*>(static_cast<char*>(local_window) + kStatusOffset)};
+    return {error_block, static_cast<char*>(local_window)};
 }
 
-__device__ __forceinline__ bool has_error(const char* local_window) {
-    return *reinterpret_cast<const volatile int64_t*>(local_window + kStatusOffset) != 0;
+// Every thread of the CTA calls it: whether the buffer has failed, the same answer on every thread
+// (one read, so that a failure posted meanwhile cannot split the CTA).
+__device__ __forceinline__ bool buffer_failed(const FaultSink& fault) {
+    return __syncthreads_or(threadIdx.x == 0 and fault.check());
+}
+
+// The input error words: the first record wins until the host has read and cleared it.
+__device__ __forceinline__ void report_input_error(int64_t* error_block, int64_t row, int64_t lane, int64_t value,
+                                                   int64_t reason) {
+    volatile int64_t* block = error_block;
+    if (block[kErrInputStatus] != 0) return;
+    block[kErrInputRow] = row;
+    block[kErrInputLane] = lane;
+    block[kErrInputValue] = value;
+    block[kErrInputReason] = reason;
+    __threadfence_system();
+    block[kErrInputStatus] = 1;
+    __threadfence_system();
 }
 
 }  // namespace deep_ep

@@ -5,9 +5,10 @@
 //
 //   window = [workspace | data region]
 //   workspace: per-CTA, per-source-rank counting semaphores (the standalone barrier), per-source
-//              received token counts, status, epilogue exit counter, epoch, task queues, per-peer
-//              window credits, the peers' window pointers, per-(source, local expert) received
-//              counts, per-(source, slot block) arrival counters
+//              count flags, status, epilogue exit counter, epoch, task queues, fault-reported flag,
+//              rank and world size, per-peer window credits, every rank's window base, per-source
+//              combine signatures, per-(source, local expert) received counts, per-(source, slot
+//              block) arrival counters
 //   data region: kNumRanks source blocks of `num_max_tokens_per_rank` slots each; a source owns
 //                its block in every destination, so it places tokens without asking anyone.
 //                Dispatch records and combine slots share the region: they are never live at once.
@@ -22,10 +23,12 @@ constexpr int kMaxRanks = 64;
 constexpr int kMaxChannels = 256;  // CTAs of one communication kernel
 constexpr int kMaxLocalExperts = 1024;
 constexpr int64_t kSemaphoreOffset = 0;
+// Per source rank, its count flag for the running dispatch (64 bits: the operation's signature, then
+// the token count + 1, so that zero means "not told yet"), written once per dispatch by the source
 constexpr int64_t kRecvCountOffset = kSemaphoreOffset + int64_t(kMaxChannels) * kMaxRanks * sizeof(int);
-// Non-zero once any wait of this buffer timed out: kernels poll it here, in device memory, because
-// reads of host-mapped memory cost microseconds each (the host-mapped error block is only written).
-constexpr int64_t kStatusOffset = kRecvCountOffset + kMaxRanks * sizeof(int);
+// Non-zero once this buffer failed (fault.cuh): kernels poll it here, in device memory, because reads
+// of host-mapped memory cost microseconds each (the host-mapped error block is only written).
+constexpr int64_t kStatusOffset = kRecvCountOffset + kMaxRanks * sizeof(uint64_t);
 // CTAs of the running epilogue that are done: the last one returns the arrival counters to zero.
 constexpr int64_t kEpilogueDoneOffset = kStatusOffset + 8;
 // Dispatches and combines this rank has completed on the window (its epilogues count them), and
@@ -37,10 +40,18 @@ constexpr int64_t kEpochOffset = kEpilogueDoneOffset + 4;
 constexpr int64_t kDispatchTaskQueueOffset = kEpochOffset + 4;
 constexpr int64_t kCombineTaskQueueOffset = kDispatchTaskQueueOffset + 8;
 constexpr int64_t kEpilogueTaskQueueOffset = kCombineTaskQueueOffset + 8;
+// Set by the one kernel that copies a failure into the host-mapped error block (fault.cuh)
+constexpr int64_t kFaultReportedOffset = kEpilogueTaskQueueOffset + 8;
+// This rank and the number of ranks, written by the host when the window is created
+constexpr int64_t kRankOffset = kFaultReportedOffset + 4;
+constexpr int64_t kNumRanksOffset = kRankOffset + 4;
 constexpr int64_t kCreditOffset = kStatusOffset + 64;
-// The LSA pointers of every rank's window, left here by each communication kernel for its
-// epilogue (which is built without NCCL) to post the credits
+// Every rank's window base (this rank's own by the address its allocation has, so that every access
+// to our window goes through one virtual address), written by the host when the window is created
 constexpr int64_t kPeerWindowsOffset = kCreditOffset + kMaxRanks * sizeof(int);
+// Per source rank, the signature of the operation it runs (credits.cuh: a check that every rank runs
+// the same sequence of operations), left by its communication kernel before any data
+constexpr int64_t kOpSignatureOffset = kPeerWindowsOffset + kMaxRanks * sizeof(void*);
 // Senders publish how many of their tokens go to each of our local experts, so no receiver-side
 // pass over the records is needed to count them.
 constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
@@ -51,8 +62,8 @@ constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
 constexpr int64_t kArrivalOffset = 384 * 1024;
 constexpr int kMaxArrivalBlocks = 512;  // per source rank
 constexpr int64_t kWorkspaceBytes = 512 * 1024;
-static_assert(kStatusOffset % 8 == 0 and kEpilogueTaskQueueOffset + 8 <= kCreditOffset, "workspace overflow");
-static_assert(kPeerWindowsOffset % 8 == 0 and kPeerWindowsOffset + kMaxRanks * 8 <= kRecvExpertCountOffset,
+static_assert(kStatusOffset % 8 == 0 and kNumRanksOffset + 4 <= kCreditOffset, "workspace overflow");
+static_assert(kPeerWindowsOffset % 8 == 0 and kOpSignatureOffset + kMaxRanks * 4 <= kRecvExpertCountOffset,
               "workspace overflow");
 static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kArrivalOffset,
               "workspace overflow");

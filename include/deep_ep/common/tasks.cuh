@@ -36,8 +36,15 @@ public:
     __device__ __forceinline__ void finish() const {
         if (not is_dynamic_) return;
         __syncthreads();
-        // A warp's claims have returned before it leaves its loop, so the last CTA in sees them all
-        if (threadIdx.x == 0 and atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1) reset(words_);
+        // A warp's claims have returned before it leaves its loop, so the last CTA in sees them all;
+        // the fences order every CTA's claims before the last one's reset, as the memory model asks
+        if (threadIdx.x == 0) {
+            __threadfence();
+            if (atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+                __threadfence();
+                reset(words_);
+            }
+        }
     }
 
     __device__ __forceinline__ static void reset(int* words) {

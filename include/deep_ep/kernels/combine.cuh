@@ -11,9 +11,9 @@
 // fill in order over time. After a task the warp releases its rows with one fence and adds them to
 // the source's arrival counters: the source's epilogue reduces the rows that have landed while the
 // rest are on the wire. There is no exit barrier, and no entry barrier: every CTA starts by
-// checking each source's window credit (credits.cuh).
-
-#include <nccl_device.h>
+// checking each source's window credit (credits.cuh); CTA 0 then leaves the operation's signature
+// in every source's workspace. Row counts and slots come from the handle and are clamped to what the
+// window and `x` hold, whatever the handle says.
 
 #include "../common/bf16.cuh"
 #include "../common/comm.cuh"
@@ -26,22 +26,24 @@
 namespace deep_ep {
 
 struct CombineArgs {
-    char* window_base;          // this rank's window
-    const int4* x;              // BF16 rows to send back
-    const float* topk_weights;  // plain: [rows, topk]; expanded: [rows]; may be null
-    const int* recv_src_metadata;
-    const int* psum_num_recv_tokens_per_rank;
+    char* window_base;                         // this rank's window
+    const int4* x;                             // BF16 rows to send back
+    const float* topk_weights;                 // plain: [rows, topk]; expanded: [rows]; may be null
+    const int* recv_src_metadata;              // [num_meta_rows, 2 + topk]
+    const int* psum_num_recv_tokens_per_rank;  // [num_ranks]
+    int num_x_rows;                            // rows of x (and of topk_weights)
+    int num_meta_rows;                         // rows of recv_src_metadata
     int num_max_tokens_per_rank;
     int rank;
     int rows_per_task;
     int arrival_block;
+    int op_hash;  // what this operation is (arrivals.cuh: op_signature)
     int64_t* error_block;
     uint64_t timeout_ns;
 };
 
 template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kExpand>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    combine_impl(ncclDevComm comm, ncclWindow_t window, CombineArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args) {
     using Slot = CombineSlot<kHidden, kNumRows, kNumTopk>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
@@ -50,20 +52,25 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     constexpr int kUnroll = kReduce ? kCopyUnroll / 2 : kCopyUnroll;
     constexpr int kNumParts = num_copy_parts<kRowVectors, kUnroll>();
     static_assert(kExpand or kNumRows == 1, "the plain layout sends one row per token");
-    (void)comm;
 
     __shared__ void* peer_windows[kNumRanks];
+    // Where each source's rows start in `x` (plain) or the metadata, and one past its last
     __shared__ int psum_src[kNumRanks + 1];
+    const int num_rows_limit = kExpand ? args.num_meta_rows : args.num_x_rows;
     if (threadIdx.x == 0) {
         psum_src[0] = 0;
-        for (int s = 0; s < kNumRanks; ++s) psum_src[s + 1] = args.psum_num_recv_tokens_per_rank[s];
+        for (int s = 0; s < kNumRanks; ++s)
+            psum_src[s + 1] = min(max(args.psum_num_recv_tokens_per_rank[s], psum_src[s]),
+                                  min(psum_src[s] + args.num_max_tokens_per_rank, num_rows_limit));
     }
     // Sources' windows take our rows once they are done with what we sent before
-    const int channel = blockIdx.x;
     const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
-    if (!open_peer_windows<kNumRanks>(window, args.window_base, peer_windows, args.rank, kPhaseCombineEntry, fault,
+    const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
+    if (!open_peer_windows<kNumRanks>(args.window_base, peer_windows, args.rank, kPhaseCombineEntry, fault,
                                       args.timeout_ns))
         return;
+    // Every source's epilogue checks that we run the same operation before it reads a row of ours
+    post_op_signature<kNumRanks>(peer_windows, args.rank, op_signature(epoch, args.op_hash));
 
     // The epilogue may launch now (programmatic dependent launch); it follows the arrival counters
     griddep_launch_dependents();
@@ -108,9 +115,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                                  ? args.topk_weights[static_cast<int64_t>(i) * kNumTopk + lane_idx]
                                                  : 0.0f;
             } else {
-                const int expanded_row =
-                    lane_idx < kNumTopk ? args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 2 + lane_idx]
-                                        : -1;
+                int expanded_row = lane_idx < kNumTopk
+                                       ? args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 2 + lane_idx]
+                                       : -1;
+                if (expanded_row >= args.num_x_rows) expanded_row = -1;
                 const uint32_t local_lanes = __ballot_sync(0xffffffff, expanded_row >= 0);
                 if (part == 0 and lane_idx < kNumTopk)
                     slot_weights[lane_idx] =

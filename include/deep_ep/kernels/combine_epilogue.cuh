@@ -12,7 +12,9 @@
 // which is the order their rows land in, by whichever warp asks next (tasks.cuh). An item loads its
 // token's slots once (kept in lanes) and this rank's own row before it waits, so only the holders'
 // rows are read after they land. The last CTA out returns the arrival counters to zero and posts
-// our window credit to the peers (credits.cuh).
+// our window credit to the peers (credits.cuh). Before it reads any row, every CTA checks that
+// every peer runs this combine too (its signature in our workspace). Counts and slots come from the
+// handle and are clamped: a slot outside what its holder sends is no row.
 
 #include "../common/arrivals.cuh"
 #include "../common/bf16.cuh"
@@ -37,11 +39,13 @@ struct CombineEpilogueArgs {
     const float* local_topk_weights;           // plain layout: [rows, topk] or null
     const int* psum_num_recv_tokens_per_rank;  // where this rank's own rows start in local_x
     const int* num_tokens_per_rank;            // [num_ranks]: rows each holder sends back
+    int num_local_rows;                        // rows of local_x
     int num_tokens;
     int num_max_tokens_per_rank;
     int num_experts_per_rank;
     int rank;
     int arrival_block;
+    int op_hash;  // what this operation is (arrivals.cuh: op_signature)
     int64_t* error_block;
     uint64_t timeout_ns;
 };
@@ -55,17 +59,25 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
     constexpr int kNumParts = num_copy_parts<kRowVectors, kUnroll>();
     constexpr int kRanksPerLane = ceil_div(kNumRanks, 32);
     const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
+    const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
+    bool warp_ok = wait_op_signatures<kNumRanks>(args.window_base, op_signature(epoch, args.op_hash), fault, args.rank,
+                                                 args.timeout_ns);
 
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     // Lane d % 32 watches holder d: how many rows it sends back, the last block seen complete
     int num_sent[kRanksPerLane], ready_block[kRanksPerLane];
 #pragma unroll
     for (int j = 0; j < kRanksPerLane; ++j) {
-        num_sent[j] = j * 32 + lane_idx < kNumRanks ? args.num_tokens_per_rank[j * 32 + lane_idx] : 0;
+        num_sent[j] = j * 32 + lane_idx < kNumRanks
+                          ? min(max(args.num_tokens_per_rank[j * 32 + lane_idx], 0), args.num_max_tokens_per_rank)
+                          : 0;
         ready_block[j] = -1;
     }
-    const int own_rows_begin = args.rank == 0 ? 0 : args.psum_num_recv_tokens_per_rank[args.rank - 1];
     const bool has_local_rows = args.local_x != nullptr;
+    const int own_rows_begin =
+        has_local_rows
+            ? min(max(args.rank == 0 ? 0 : args.psum_num_recv_tokens_per_rank[args.rank - 1], 0), args.num_local_rows)
+            : 0;
     auto slot_at = [&](int d, int slot) {
         return args.window_base + kWorkspaceBytes +
                (static_cast<int64_t>(d) * args.num_max_tokens_per_rank + slot) * Slot::kBytes;
@@ -73,20 +85,31 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
 
     const int num_items = args.num_tokens * kNumParts;
     const TaskQueue items(reinterpret_cast<int*>(args.window_base + kEpilogueTaskQueueOffset), num_items, kNumWarps);
-    bool warp_ok = true;
     for (int item = items.first(), claimed = 0; warp_ok and item < num_items; item = items.next(claimed)) {
         claimed = items.claim(item);
         const int t = item / kNumParts, part = item % kNumParts;
         const int64_t expert = lane_idx < kNumTopk ? args.topk_idx[static_cast<int64_t>(t) * kNumTopk + lane_idx] : -1;
-        const int holder = expert >= 0 ? static_cast<int>(expert / args.num_experts_per_rank) : -1;
-        // Lane d % 32: the token's slot at holder d (in our window, or its row in `local_x`)
+        int holder = expert >= 0 ? static_cast<int>(expert / args.num_experts_per_rank) : -1;
+        // Lane d % 32: the token's slot at holder d (in our window, or its row in `local_x`), -1
+        // for no row (also for a slot past what d sends: the handle's routing was rejected)
         int slot[kRanksPerLane];
 #pragma unroll
-        for (int j = 0; j < kRanksPerLane; ++j)
-            slot[j] = j * 32 + lane_idx < kNumRanks
-                          ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + j * 32 + lane_idx]
-                          : -1;
+        for (int j = 0; j < kRanksPerLane; ++j) {
+            const int d = j * 32 + lane_idx;
+            slot[j] = d < kNumRanks ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] : -1;
+            const int limit = (d == args.rank and has_local_rows) ? args.num_local_rows - own_rows_begin : num_sent[j];
+            if (slot[j] >= limit) slot[j] = -1;
+        }
         auto slot_of_rank = [&](int d) { return __shfl_sync(0xffffffff, slot[d / 32], d % 32); };
+        // The slot of this lane's holder (every lane takes part in the shuffles); a lane whose
+        // holder sends no row for this token counts as a `-1` lane
+        int holder_slot = -1;
+#pragma unroll
+        for (int j = 0; j < kRanksPerLane; ++j) {
+            const int value = __shfl_sync(0xffffffff, slot[j], (holder < 0 ? 0 : holder) % 32);
+            if (holder >= 0 and holder / 32 == j) holder_slot = value;
+        }
+        if (holder_slot < 0) holder = -1;
 
         // This rank's own row is here already: load it while the holders' rows may still be on the wire
         const bool is_own_holder = has_local_rows and __ballot_sync(0xffffffff, holder == args.rank) != 0;
@@ -129,8 +152,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
             }
             const char* slot_row = slot_at(d, slot_of_rank(d));
             for (int j = 0; j < (kNumRows == 1 ? 1 : num_lanes); ++j) {
-                load_part<kRowVectors, kUnroll>(lane_idx, part,
-                                                reinterpret_cast<const int4*>(slot_row + j * Slot::kRowBytes), values);
+                load_part<kRowVectors, kUnroll, true>(
+                    lane_idx, part, reinterpret_cast<const int4*>(slot_row + j * Slot::kRowBytes), values);
                 add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
             }
         }
@@ -146,13 +169,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
         }
 
         if (part == 0 and args.combined_topk_weights != nullptr) {
-            // Every lane takes part in the shuffles; lanes past top-k write nothing
-            int holder_slot = -1;
-#pragma unroll
-            for (int j = 0; j < kRanksPerLane; ++j) {
-                const int value = __shfl_sync(0xffffffff, slot[j], (holder < 0 ? 0 : holder) % 32);
-                if (holder >= 0 and holder / 32 == j) holder_slot = value;
-            }
+            // Lanes past top-k write nothing
             float weight = 0.0f;
             if (holder == args.rank and has_local_rows) {
                 if (args.local_topk_weights != nullptr)
@@ -167,8 +184,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
 
     // The last CTA out also makes the kernel complete only after the combine kernel, as a plain
     // launch would
-    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, false,
-                               [&](int d) { return args.num_tokens_per_rank[d]; });
+    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, false, fault, [&](int d) {
+        return min(max(args.num_tokens_per_rank[d], 0), args.num_max_tokens_per_rank);
+    });
 }
 
 }  // namespace deep_ep

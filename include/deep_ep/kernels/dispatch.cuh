@@ -17,13 +17,15 @@
 // grid barrier every CTA scans the group counts into each group's first slot per destination, and
 // any bad row stops the send. A sending warp then finds its tokens' slots from their group's first
 // slot and the group's earlier tokens.
-// CTA d (the grid has at least one CTA per rank) tells rank d how many tokens and how many per
-// local expert it gets; CTA `rank` finally waits for what every source told it and sums the
-// per-expert counts. No separate layout or count kernel runs.
-// Cached dispatch: the slots come from the handle.
+// CTA c tells ranks c, c + grid, ... how many tokens and how many per local expert they get (a
+// count flag that carries the operation's signature); CTA `rank % grid` finally waits for what
+// every source told it and sums the per-expert counts. No separate layout or count kernel runs.
+// A bad row sends nothing at all: the handle's slots are all -1 and the first bad value goes to the
+// error block, for the host to raise (without a CPU sync, at its next call).
+// Cached dispatch: the slots come from the handle (any outside [0, num_max_tokens_per_rank) is skipped).
 // A rank's records for itself carry only their metadata: the epilogue reads the payload from `x`.
 
-#include <nccl_device.h>
+#include <climits>
 
 #include "../common/comm.cuh"
 #include "../common/copy.cuh"
@@ -56,6 +58,7 @@ struct DispatchArgs {
     int tokens_per_group;  // a multiple of 32: at most kMaxGroupsPerRank groups, groups x ranks <= kMaxGroupInts
     int tokens_per_task;   // tokens a warp sends between two releases; divides 32
     int arrival_block;     // slots per arrival counter
+    int op_hash;           // what this operation is (arrivals.cuh: op_signature)
     int64_t* error_block;
     uint64_t timeout_ns;
 };
@@ -83,9 +86,38 @@ __device__ __forceinline__ uint64_t token_rank_mask(const int64_t* topk_idx, int
     return mask;
 }
 
+// The first invalid (row, lane) of `topk_idx` in row-major order goes to the error block, for the
+// host's message. Every thread of one CTA calls it.
+template <int kNumTopk>
+__device__ __forceinline__ void report_invalid_topk(const int64_t* topk_idx, int num_tokens, int64_t num_experts,
+                                                    int64_t* error_block) {
+    __shared__ unsigned long long first_bad;
+    if (threadIdx.x == 0) first_bad = ULLONG_MAX;
+    __syncthreads();
+    for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
+        for (int k = 0; k < kNumTopk; ++k) {
+            const int64_t expert = topk_idx[static_cast<int64_t>(t) * kNumTopk + k];
+            bool is_bad = expert < -1 or expert >= num_experts;
+            for (int j = 0; j < k; ++j)
+                is_bad |= expert >= 0 and expert == topk_idx[static_cast<int64_t>(t) * kNumTopk + j];
+            if (is_bad) {
+                atomicMin(&first_bad, static_cast<unsigned long long>(t) * kNumTopk + k);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 and first_bad != ULLONG_MAX) {
+        const int64_t value = topk_idx[first_bad];
+        const bool out_of_range = value < -1 or value >= num_experts;
+        report_input_error(error_block, static_cast<int64_t>(first_bad / kNumTopk),
+                           static_cast<int64_t>(first_bad % kNumTopk), value,
+                           out_of_range ? kInputOutOfRange : kInputRepeated);
+    }
+}
+
 template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kCached>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    dispatch_impl(ncclDevComm comm, ncclWindow_t window, DispatchArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs args) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRanksPerLane = ceil_div(kNumRanks, 32);
@@ -96,17 +128,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // A record that fits 16 vectors per lane (FP8) goes in one batch of loads: one load round trip
     // per token (measured: -7 us of 216 for a cached T=8192 dispatch). Larger ones (BF16) move 16
     // vectors per lane too in the cached kernel (-18 us of 400 at T=8192), but would spill in the
-    // fresh one. Fewer in flight when many destination pointers share the registers.
-    constexpr int kUnroll = kNumRanks > 4                                         ? kCopyUnroll / 2
-                            : (kCached or kRecordVectors <= 32 * 2 * kCopyUnroll) ? 2 * kCopyUnroll
-                                                                                  : kCopyUnroll;
+    // fresh one, nor with more than 2 destinations). Fewer in flight when many destination pointers
+    // share the registers.
+    constexpr bool kOneBatch = kRecordVectors <= 32 * 2 * kCopyUnroll;
+    constexpr int kUnroll = kNumRanks > 8                                 ? kCopyUnroll / 4
+                            : kNumRanks > 4                               ? kCopyUnroll / 2
+                            : (kOneBatch or (kCached and kNumRanks <= 2)) ? 2 * kCopyUnroll
+                                                                          : kCopyUnroll;
     // A warp moves one part of a record at a time (one batch of loads), so the parts of a token
     // spread over many warps instead of queueing behind each other in one
     constexpr int kNumParts = num_copy_parts<kRecordVectors, kUnroll>();
     constexpr int kGroupsPerLane = kMaxGroupsPerRank / 32;
     static_assert(kMaxGroupsPerRank % 32 == 0, "whole groups per lane");
     static_assert(kNumRanks <= kMaxRanks, "too many ranks");
-    (void)comm;
 
     __shared__ void* peer_windows[kNumRanks];
     __shared__ int rank_total[kNumRanks];
@@ -116,11 +150,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     __shared__ int cta_expert_counts[kCached ? 1 : kMaxSharedExpertCounts];
     char* own_window = args.window_base;
     const FaultSink fault = make_fault_sink(own_window, args.error_block);
+    // This operation's epoch (the number of operations this rank completed on the buffer), read
+    // before anything can change it: the grid barrier's tag and the signature of our count flags
+    const int epoch = *reinterpret_cast<const int*>(own_window + kEpochOffset);
+    const uint32_t signature = op_signature(epoch, args.op_hash);
     // Peers' windows take our records once they are done with what we sent before (their count
     // flags and arrival counters are zero again)
-    if (!open_peer_windows<kNumRanks>(window, own_window, peer_windows, args.rank, kPhaseDispatchEntry, fault,
-                                      args.timeout_ns))
+    if (!open_peer_windows<kNumRanks>(own_window, peer_windows, args.rank, kPhaseDispatchEntry, fault, args.timeout_ns))
         return;
+    // Every destination's epilogue checks that we run the same operation before it reads our records
+    post_op_signature<kNumRanks>(peer_windows, args.rank, signature);
 
     const int channel = blockIdx.x, num_channels = gridDim.x;
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
@@ -132,9 +171,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     if constexpr (not kCached) {
         int* scratch = args.layout_scratch;
-        // The grid barrier's tag: this operation's epoch, which no earlier fresh dispatch of the
-        // buffer had (loaded now, used after the count pass)
-        const int barrier_tag = *reinterpret_cast<const int*>(own_window + kEpochOffset) + 1;
+        // The grid barrier's tag: this operation's epoch, which no earlier fresh dispatch of the buffer had
+        const int barrier_tag = static_cast<int>(static_cast<unsigned>(epoch) + 1u);
         int* group_counts = scratch + kScratchGroupCounts;  // [group][rank]
         // Tokens per expert are counted per CTA in shared memory, then added to the device-wide
         // counters once per (CTA, expert): the counters of all experts share a few L2 lines, whose
@@ -220,16 +258,30 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         is_bad = __syncthreads_or(any_bad);
         if (channel == 0 and threadIdx.x < kNumRanks)
             args.num_tokens_per_rank[threadIdx.x] = is_bad ? 0 : rank_total[threadIdx.x];
+        if (is_bad) {
+            // Nothing is sent: the handle says so (every slot -1), and the host learns the first bad value
+            const int64_t stride = static_cast<int64_t>(num_channels) * kNumThreads;
+            for (int64_t j = static_cast<int64_t>(channel) * kNumThreads + threadIdx.x;
+                 j < static_cast<int64_t>(num_tokens) * kNumRanks; j += stride)
+                args.slot_idx[j] = -1;
+            if (args.dst_slot_idx != nullptr)
+                for (int64_t j = static_cast<int64_t>(channel) * kNumThreads + threadIdx.x;
+                     j < static_cast<int64_t>(num_tokens) * kNumTopk; j += stride)
+                    args.dst_slot_idx[j] = -1;
+            if (channel == 0)
+                report_invalid_topk<kNumTopk>(args.topk_idx, num_tokens,
+                                              static_cast<int64_t>(num_local_experts) * kNumRanks, args.error_block);
+        }
     }
 
-    int* recv_counts = reinterpret_cast<int*>(own_window + kRecvCountOffset);
-    // Tell destination `channel` how many tokens, and (fresh) how many per local expert, it gets from us
-    if (channel < kNumRanks) {
-        char* peer = static_cast<char*>(peer_windows[channel]);
+    // Tell destinations channel, channel + grid, ... how many tokens, and (fresh) how many per local
+    // expert, they get from us
+    for (int d = channel; d < kNumRanks; d += num_channels) {
+        char* peer = static_cast<char*>(peer_windows[d]);
         if constexpr (not kCached) {
-            // Hand over our per-expert counts for `channel` and return their scratch to zero
+            // Hand over our per-expert counts for `d` and return their scratch to zero
             int* counts = reinterpret_cast<int*>(peer + kRecvExpertCountOffset) + args.rank * kMaxLocalExperts;
-            int* pending = args.layout_scratch + kScratchExpertCounts + channel * num_local_experts;
+            int* pending = args.layout_scratch + kScratchExpertCounts + d * num_local_experts;
             for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
                 counts[e] = is_bad ? 0 : __ldcg(pending + e);
                 pending[e] = 0;
@@ -237,11 +289,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         __syncthreads();
         if (threadIdx.x == 0) {
-            const int count = kCached ? args.num_tokens_per_rank[channel] : (is_bad ? 0 : rank_total[channel]);
-            // Count + 1, so that zero means "not told yet". A fresh count is released after the
-            // per-expert counts; a cached one guards nothing (a fence would hold back this CTA's sends).
+            const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
+            const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
+            // A fresh count is released after the per-expert counts; a cached one guards nothing (a
+            // fence would hold back this CTA's sends), and the flag is one 64-bit store
             if constexpr (not kCached) fence_acq_rel_sys();
-            st_relaxed_sys(reinterpret_cast<int*>(peer + kRecvCountOffset) + args.rank, count + 1);
+            st_relaxed_sys_u64(count_flags(peer) + args.rank, count_flag(signature, count));
         }
     }
     // The epilogue may launch now (programmatic dependent launch); it follows the arrival counters
@@ -353,7 +406,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 // Plain loads: a fresh dispatch wrote these slots earlier in this kernel
                 const int slot = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d];
                 dst_records[d] =
-                    slot < 0
+                    (slot < 0 or slot >= args.num_max_tokens_per_rank)
                         ? nullptr
                         : static_cast<char*>(peer_windows[d]) + kWorkspaceBytes +
                               (static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + slot) * Record::kBytes;
@@ -375,21 +428,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
         for (int d = 0; d < kNumRanks; ++d) {
             const int slot = t < task_end ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] : -1;
-            const uint32_t hits = __ballot_sync(0xffffffff, slot >= 0);
+            const uint32_t hits = __ballot_sync(0xffffffff, slot >= 0 and slot < args.num_max_tokens_per_rank);
             if (hits != 0 and lane_idx == __ffs(hits) - 1)
                 signal_arrivals(peer_windows[d], args.rank, slot, __popc(hits), args.arrival_block);
         }
     }
 
     tasks.finish();
-    // The CTA paired with the senders that counted for us waits for their counts and sums them
+    // One CTA waits for every source's count and sums the per-expert counts they sent
     if constexpr (not kCached) {
-        if (channel == args.rank) {
-            bool ok = true;
-            if (threadIdx.x < kNumRanks)
-                ok = wait_counter(recv_counts + threadIdx.x, 1, fault, kPhaseDispatchCounts, args.rank, threadIdx.x,
-                                  channel, args.timeout_ns);
-            if (!__syncthreads_and(ok)) return;
+        if (channel == args.rank % num_channels) {
+            __shared__ int num_recv[kNumRanks];
+            if (!wait_recv_counts<kNumRanks>(own_window, signature, args.num_max_tokens_per_rank, num_recv, fault,
+                                             args.rank, args.timeout_ns))
+                return;
             const int* recv_expert_counts = reinterpret_cast<const int*>(own_window + kRecvExpertCountOffset);
             for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
                 int sum = 0;
@@ -400,9 +452,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 if (args.cumulative_stats != nullptr and not is_bad) args.cumulative_stats[e] += sum;
             }
             if (args.counts_out != nullptr) {
-                if (threadIdx.x < kNumRanks)
-                    args.counts_out[threadIdx.x] =
-                        min(ld_relaxed_sys(recv_counts + threadIdx.x) - 1, args.num_max_tokens_per_rank);
+                if (threadIdx.x < kNumRanks) args.counts_out[threadIdx.x] = num_recv[threadIdx.x];
                 if (threadIdx.x == 0) args.counts_out[kNumRanks + num_local_experts] = is_bad;
             }
         }

@@ -11,7 +11,8 @@
 // with the sources interleaved, which is the order they land in, whichever warp asks next
 // (tasks.cuh). The last CTA out returns the arrival counters and count flags to zero and posts our
 // window credit to the peers (credits.cuh). With `drain_only` it only waits for every record and
-// resets (a dispatch whose input was rejected after peers had already sent).
+// resets (a dispatch whose input was rejected after peers had already sent). Every write is checked
+// against the outputs' rows, whatever the window and the expanded ranks say.
 
 #include <cub/block/block_scan.cuh>
 
@@ -35,6 +36,7 @@ struct DispatchEpilogueArgs {
     int num_experts_per_rank;
     int expert_alignment;
     int num_out_rows;          // rows allocated in recv_x (capacity; exact or worst case)
+    int num_meta_rows;         // rows allocated in recv_src_metadata (and recv_topk_idx, plain layout)
     int64_t scale_col_stride;  // 0: row-major scales; else column-major with this row stride
     int4* recv_x;
     int* recv_scales;
@@ -49,6 +51,7 @@ struct DispatchEpilogueArgs {
     int do_zero_padding;
     int drain_only;
     int arrival_block;
+    int op_hash;  // what this operation is (arrivals.cuh: op_signature)
     int64_t* error_block;
     uint64_t timeout_ns;
 };
@@ -68,11 +71,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
     __shared__ int psum_src[kNumRanks + 1];
     __shared__ int num_per_expert[kMaxLocalExperts];
     __shared__ int expert_offset[kMaxLocalExperts + 1];
-    // The expanded ranks come from a kernel that ran to completion before us
+    // The expanded ranks come from a kernel that ran to completion before us (and may have stopped
+    // on a failure, which the count wait then sees)
     if (args.expand_rank_in_expert != nullptr) griddep_wait();
     const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
-    bool ok = wait_recv_counts<kNumRanks>(args.window_base, args.num_max_tokens_per_rank, num_recv, fault, args.rank,
-                                          args.timeout_ns);
+    const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
+    const uint32_t signature = op_signature(epoch, args.op_hash);
+    bool ok = wait_op_signatures<kNumRanks>(args.window_base, signature, fault, args.rank, args.timeout_ns) and
+              wait_recv_counts<kNumRanks>(args.window_base, signature, args.num_max_tokens_per_rank, num_recv, fault,
+                                          args.rank, args.timeout_ns);
     const bool is_drain = args.drain_only;
     if (is_drain)
         ok = ok and wait_all_arrivals<kNumRanks>(args.window_base, num_recv, args.arrival_block, fault, args.rank,
@@ -127,13 +134,18 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
         const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
         const int first_expert = args.rank * num_local_experts;
 
-        // `src`: the record's payload, or the dispatch input's row for records from this rank
-        auto copy_row = [&](const int4* src, const int* src_scales, int out_row) {
+        // `src`: the record's payload (`from_window`), or the dispatch input's row for records from this rank
+        auto copy_row = [&](const int4* src, const int* src_scales, bool from_window, int out_row) {
             if (out_row >= args.num_out_rows) return;
             int4* dst = args.recv_x + static_cast<int64_t>(out_row) * kHiddenVectors;
-            warp_copy<kHiddenVectors>(
-                lane_idx, [&](int i) { return ld_nc_v4(src + i); },
-                [&](int i, const int4& v) { st_na_v4(dst + i, v); });
+            if (from_window)
+                warp_copy<kHiddenVectors>(
+                    lane_idx, [&](int i) { return ld_window_v4(src + i); },
+                    [&](int i, const int4& v) { st_na_v4(dst + i, v); });
+            else
+                warp_copy<kHiddenVectors>(
+                    lane_idx, [&](int i) { return ld_nc_v4(src + i); },
+                    [&](int i, const int4& v) { st_na_v4(dst + i, v); });
             if constexpr (kNumScaleInts > 0) {
                 for (int i = lane_idx; i < kNumScaleInts; i += 32) {
                     const int64_t offset = args.scale_col_stride == 0
@@ -167,6 +179,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
             if (not warp_ok) break;
 
             const int i = psum_src[s] + slot;
+            if (i >= args.num_meta_rows) continue;
             const char* record = args.window_base + kWorkspaceBytes +
                                  (static_cast<int64_t>(s) * args.num_max_tokens_per_rank + slot) * Record::kBytes;
             const int* record_topk = reinterpret_cast<const int*>(record + Record::kTopkIdxOffset);
@@ -182,7 +195,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
             const int expert = lane_idx < kNumTopk ? record_topk[lane_idx] : -1;
             const bool is_local = expert >= first_expert and expert < first_expert + num_local_experts;
             if constexpr (not kExpand) {
-                copy_row(payload, payload_scales, i);
+                copy_row(payload, payload_scales, not from_self, i);
                 if (lane_idx < kNumTopk) {
                     args.recv_topk_idx[static_cast<int64_t>(i) * kNumTopk + lane_idx] =
                         is_local ? expert - first_expert : -1;
@@ -199,6 +212,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
                     else if (is_local)
                         out_row = expert_offset[expert - first_expert] +
                                   args.expand_rank_in_expert[static_cast<int64_t>(i) * kNumTopk + lane_idx];
+                    if (out_row >= args.num_out_rows) out_row = -1;
                 }
                 if (lane_idx < kNumTopk and not args.is_cached) meta[2 + lane_idx] = out_row;
                 uint32_t lanes = __ballot_sync(0xffffffff, out_row >= 0);
@@ -206,7 +220,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
                     const int k = __ffs(lanes) - 1;
                     lanes &= lanes - 1;
                     const int row = __shfl_sync(0xffffffff, out_row, k);
-                    copy_row(payload, payload_scales, row);
+                    copy_row(payload, payload_scales, not from_self, row);
                     if (lane_idx == 0 and args.recv_topk_weights != nullptr and row < args.num_out_rows)
                         args.recv_topk_weights[row] = record_weights[k];
                 }
@@ -244,7 +258,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
 
     // The last CTA out also makes the kernel complete only after the dispatch kernel (its handle
     // outputs), as a plain launch would
-    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, true,
+    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, true, fault,
                                [&](int s) { return num_recv[s]; });
 }
 

@@ -1,0 +1,517 @@
+"""The NVLink kernels on virtual ranks of one GPU (`deep_ep.loopback`), bitwise against `deep_ep.reference`.
+
+EP 2, 3, 4, 8 and 16: a random sweep of every dispatch and combine option, CUDA-graph capture and
+replay, and the fault paths (a rank that skips a call, a failure inside a graph replay, invalid
+routing inside a graph, an exception between two launches, ranks running different operations),
+with guard bytes around every window and output. Run on the GPU machine: `python -m pytest -m gpu
+tests/loopback`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deep_ep.loopback import LoopbackWorld
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+# Cases per world size (EP_LOOPBACK_CASES scales them, e.g. 0.1 for a quick look)
+NUM_CASES = {n: max(4, round(c * float(os.environ.get("EP_LOOPBACK_CASES", "1")))) for n, c in
+             {2: 70, 3: 60, 4: 70, 8: 60, 16: 50}.items()}  # fmt: skip
+FAULT_TIMEOUT_S = 2.0
+
+
+def _seed() -> int:
+    return int(os.environ.get("EP_TEST_SEED", time.time_ns() % 1_000_000))
+
+
+def _compile(specs: list) -> None:
+    from deep_ep.jit import compile_many
+
+    compile_many(specs)
+
+
+# ---------------------------------------------------------------------------- the sweep
+
+
+def test_random_configurations_at_ep2_to_ep16_bitwise_equal_to_the_reference():
+    from sweep import kernel_specs, make_cases, sweep_rank
+
+    seed = _seed()
+    started = time.monotonic()
+    _compile([spec for n in NUM_CASES for spec in kernel_specs(n)])
+    compiled = time.monotonic()
+    lines = []
+    for num_ranks, num_cases in NUM_CASES.items():
+        cases = make_cases(num_ranks, num_cases, seed)
+        world = LoopbackWorld(num_ranks)
+        begin = time.monotonic()
+        counts = world.run(sweep_rank, cases, seed)
+        world.close()
+        assert counts == [num_cases] * num_ranks
+        lines.append(f"EP{num_ranks}: {num_cases} cases in {time.monotonic() - begin:.1f} s")
+    total = sum(NUM_CASES.values())
+    print(f"\nloopback sweep, seed {seed}: {total} configurations bitwise equal to deep_ep.reference in "
+          f"{time.monotonic() - compiled:.1f} s (+{compiled - started:.1f} s compiling): {'; '.join(lines)}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+
+
+def _graph_case(rank: int, group: dist.ProcessGroup, kbuf, rbuf, dtype: str, do_expand: bool, seed: int,
+                num_replays: int) -> int:  # fmt: skip
+    """Capture a fresh dispatch without CPU sync, a cached dispatch and a combine in one graph; replay
+    it with new data and new routing, each replay checked against the reference."""
+    from kernel_checks import check_dispatch, equal, make_inputs
+    from sweep import wide_bf16
+
+    num_ranks = group.size()
+    hidden, num_topk, num_experts, num_tokens = 2560, 8, 8 * num_ranks, 96
+
+    def inputs(s: int) -> tuple:
+        return make_inputs(rank, num_ranks, num_tokens, hidden, dtype, num_experts, num_topk, "uniform", 0.1, 1, s,
+                           "cuda")  # fmt: skip
+
+    def clone(value):
+        return tuple(t.clone() for t in value) if isinstance(value, tuple) else value.clone()
+
+    def assign(dst, src) -> None:
+        for d, v in zip(
+            dst if isinstance(dst, tuple) else (dst,), src if isinstance(src, tuple) else (src,), strict=True
+        ):
+            d.copy_(v)
+
+    x, topk_idx, weights, bias = inputs(seed)
+    static_x, static_x2, static_topk, static_w, static_bias = (
+        clone(x),
+        clone(x),
+        topk_idx.clone(),
+        weights.clone(),
+        bias.clone(),
+    )
+    args = dict(num_experts=num_experts, do_expand=do_expand)
+    handle_k = kbuf.dispatch(static_x, topk_idx=static_topk, topk_weights=static_w, do_cpu_sync=False, **args)[3]
+    handle_r = rbuf.dispatch(static_x, topk_idx=static_topk, topk_weights=static_w, do_cpu_sync=False, **args)[3]
+    rows = handle_k.num_expanded_tokens if do_expand else handle_k.num_recv_tokens
+    static_y = torch.zeros((rows, hidden), dtype=torch.bfloat16, device="cuda")
+
+    def ops() -> tuple:
+        fresh = kbuf.dispatch(static_x, topk_idx=static_topk, topk_weights=static_w, do_cpu_sync=False, **args)
+        cached = kbuf.dispatch(static_x2, handle=handle_k, do_expand=do_expand)
+        combined = kbuf.combine(static_y, fresh[3], bias=static_bias)
+        return fresh, cached, combined
+
+    ops()  # warm-up outside capture: every kernel loaded
+    # Every rank has enqueued all it will before capture begins, which synchronizes the device
+    dist.barrier(group=group)
+    torch.cuda.current_stream().synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+        fresh, cached, combined = ops()
+    for replay in range(num_replays):
+        new_x, new_topk, new_w, new_bias = inputs(seed + 10 + replay)
+        new_x2 = inputs(seed + 50 + replay)[0]
+        new_y = wide_bf16((rows, hidden), torch.Generator().manual_seed(seed + 100 * replay + rank), "cuda")
+        for dst, src in ((static_x, new_x), (static_x2, new_x2), (static_topk, new_topk), (static_w, new_w),
+                         (static_bias, new_bias), (static_y, new_y)):  # fmt: skip
+            assign(dst, src)
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+        ref = rbuf.dispatch(new_x, topk_idx=new_topk, topk_weights=new_w, do_cpu_sync=False, **args)
+        check_dispatch(fresh, ref, do_expand, False, f"{dtype} graph replay {replay}, fresh dispatch")
+        ref_cached = rbuf.dispatch(new_x2, handle=handle_r, do_expand=do_expand)
+        check_dispatch(cached, ref_cached, do_expand, False, f"{dtype} graph replay {replay}, cached dispatch")
+        equal(combined[0], rbuf.combine(new_y, ref[3], bias=new_bias)[0], f"{dtype} graph replay {replay}, combined_x")
+    del graph
+    return num_replays
+
+
+def _graph_rank(rank: int, group: dist.ProcessGroup, seed: int, num_replays: int) -> int:
+    import deep_ep
+
+    def make(backend: str):
+        return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2560, num_topk=8, backend=backend,
+                                     explicitly_destroy=True)  # fmt: skip
+
+    kbuf, rbuf = make("kernels"), make("reference")
+    checked = sum(_graph_case(rank, group, kbuf, rbuf, dtype, do_expand, seed, num_replays)
+                  for dtype in ("bf16", "fp32") for do_expand in (False, True))  # fmt: skip
+    kbuf.destroy()
+    rbuf.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("num_ranks", [4, 8])
+def test_cuda_graph_replays_of_fresh_and_cached_dispatch_and_combine(num_ranks):
+    seed = _seed()
+    world = LoopbackWorld(num_ranks)
+    checked = world.run(_graph_rank, seed, 3)
+    world.close()
+    assert checked == [12] * num_ranks
+    print(f"\ngraphs, EP{num_ranks}: {checked[0]} replays (BF16 and FP8, both layouts) checked, seed {seed}")
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+def _fault_buffer(group, **kwargs):
+    import deep_ep
+
+    return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2048, num_topk=8, explicitly_destroy=True,
+                                 num_gpu_timeout_secs=FAULT_TIMEOUT_S, num_cpu_timeout_secs=60, **kwargs)  # fmt: skip
+
+
+def _no_sync_sequence(buf, x, topk_idx, weights, num_experts):
+    """A fresh dispatch without CPU sync, its combine and a cached dispatch, queued without a host wait."""
+    out = buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts, do_cpu_sync=False)
+    rows = torch.ones((out[3].num_recv_tokens, out[3].hidden), dtype=torch.bfloat16, device="cuda")
+    buf.combine(rows, out[3])
+    buf.dispatch(x, handle=out[3])
+    return out
+
+
+def _skip_rank(rank: int, group: dist.ProcessGroup, skipper: int) -> dict:
+    from kernel_checks import make_inputs
+
+    import deep_ep
+
+    num_experts = 8 * group.size()
+    buf = _fault_buffer(group)
+    x, topk_idx, weights, _ = make_inputs(
+        rank, group.size(), 100, 2048, "bf16", num_experts, 8, "uniform", 0.0, 0, 7, "cuda"
+    )
+    _no_sync_sequence(buf, x, topk_idx, weights, num_experts)  # every kernel loaded, on every rank
+    torch.cuda.current_stream().synchronize()
+    dist.barrier(group=group)
+    started = time.monotonic()
+    outcome: dict = {}
+    if rank == skipper:
+        # Skip one sequence; the next call finds the failure that the peers posted
+        time.sleep(3 * FAULT_TIMEOUT_S)
+        try:
+            buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
+            outcome["error"] = None
+        except deep_ep.EPTimeoutError as error:
+            outcome["error"] = str(error)
+    else:
+        _no_sync_sequence(buf, x, topk_idx, weights, num_experts)
+        torch.cuda.current_stream().synchronize()
+        outcome["stopped_s"] = time.monotonic() - started
+        try:
+            buf.barrier()
+            outcome["error"] = None
+        except deep_ep.EPTimeoutError as error:
+            outcome["error"] = str(error)
+        outcome["raised_s"] = time.monotonic() - started
+        try:
+            buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
+            outcome["again"] = "no error"
+        except (deep_ep.EPTimeoutError, ValueError) as error:
+            outcome["again"] = type(error).__name__
+    buf.destroy()
+    return outcome
+
+
+def _round_trip_rank(rank: int, group: dist.ProcessGroup, seed: int) -> bool:
+    from sweep import make_buffers, make_cases, run_case
+
+    buffers = make_buffers(group, group.size())
+    for case in make_cases(group.size(), 3, seed):
+        run_case(buffers, rank, group.size(), case, seed)
+    for pair in buffers.values():
+        for buffer in pair:
+            buffer.destroy()
+    return True
+
+
+@pytest.mark.parametrize("num_ranks", [4, 16])
+def test_a_rank_that_skips_a_call_stops_every_rank_within_one_deadline(num_ranks):
+    skipper = num_ranks - 1
+    world = LoopbackWorld(num_ranks, guard_bytes=64 << 10)
+    outcomes = world.run(_skip_rank, skipper)
+    damaged = world.check_guards()
+    world.close()
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["error"] is not None, f"rank {rank} did not raise: {outcome}"
+        if rank == skipper:
+            assert f"told rank {skipper}" in outcome["error"], outcome
+        else:
+            assert f"waiting for rank {skipper}" in outcome["error"], outcome
+            assert outcome["raised_s"] < 2 * FAULT_TIMEOUT_S, f"rank {rank} took {outcome['raised_s']:.2f} s"
+            assert outcome["again"] in ("EPTimeoutError", "ValueError"), outcome
+    assert damaged == [], damaged
+    # A new world works in the same process
+    fresh = LoopbackWorld(num_ranks)
+    assert fresh.run(_round_trip_rank, _seed()) == [True] * num_ranks
+    fresh.close()
+    slowest = max(o["raised_s"] for r, o in enumerate(outcomes) if r != skipper)
+    print(f"\nskip, EP{num_ranks}: every rank raised, the last {slowest:.2f} s after the call (deadline "
+          f"{FAULT_TIMEOUT_S:g} s); guards intact; rank 0: {outcomes[0]['error'][:160]}")  # fmt: skip
+
+
+def _captured_sequence(rank: int, group: dist.ProcessGroup, num_tokens: int, dtype: str, routing: str,
+                       seed: int) -> tuple:  # fmt: skip
+    """A fault buffer, its inputs, and a CUDA graph of `_no_sync_sequence` captured after a warm-up
+    (every rank lined up first: capture synchronizes the device)."""
+    from kernel_checks import make_inputs
+
+    num_experts = 8 * group.size()
+    buf = _fault_buffer(group)
+    x, topk_idx, weights, _ = make_inputs(rank, group.size(), num_tokens, 2048, dtype, num_experts, 8, routing, 0.1,
+                                          0, seed, "cuda")  # fmt: skip
+    _no_sync_sequence(buf, x, topk_idx, weights, num_experts)
+    dist.barrier(group=group)
+    torch.cuda.current_stream().synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+        out = _no_sync_sequence(buf, x, topk_idx, weights, num_experts)
+    return buf, topk_idx, graph, out
+
+
+def _graph_fault_rank(rank: int, group: dist.ProcessGroup, skipper: int) -> dict:
+    import deep_ep
+
+    buf, _, graph, _ = _captured_sequence(rank, group, 100, "fp32", "hot", 9)
+    graph.replay()
+    torch.cuda.current_stream().synchronize()
+    dist.barrier(group=group)
+    outcome: dict = {}
+    started = time.monotonic()
+    if rank != skipper:
+        graph.replay()  # the skipper does not replay this time
+        torch.cuda.current_stream().synchronize()
+    else:
+        time.sleep(3 * FAULT_TIMEOUT_S)
+    try:
+        buf.barrier()
+        outcome["error"] = None
+    except deep_ep.EPTimeoutError as error:
+        outcome["error"] = str(error)
+    outcome["raised_s"] = time.monotonic() - started
+    del graph
+    buf.destroy()
+    return outcome
+
+
+def test_a_failure_inside_a_graph_replay_stops_every_rank_and_writes_nothing_outside():
+    num_ranks, skipper = 4, 2
+    world = LoopbackWorld(num_ranks, guard_bytes=64 << 10)
+    outcomes = world.run(_graph_fault_rank, skipper)
+    damaged = world.check_guards()
+    world.close()
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["error"] is not None, f"rank {rank} did not raise: {outcome}"
+        assert f"rank {skipper}" in outcome["error"], outcome
+        if rank != skipper:
+            assert outcome["raised_s"] < 2 * FAULT_TIMEOUT_S, outcome
+    assert damaged == [], damaged
+    print(f"\ngraph fault, EP{num_ranks}: every rank raised; guards intact; rank 0: {outcomes[0]['error'][:160]}")
+
+
+def _bad_routing_rank(rank: int, group: dist.ProcessGroup, bad_rank: int) -> dict:
+    from kernel_checks import check_dispatch, equal, make_inputs
+
+    import deep_ep
+
+    num_experts = 8 * group.size()
+    buf, topk_idx, graph, out = _captured_sequence(rank, group, 64, "bf16", "uniform", 3)
+    if rank == bad_rank:
+        topk_idx[17, 2] = num_experts + 5  # inside the graph: no host check sees it
+    graph.replay()
+    torch.cuda.current_stream().synchronize()
+    outcome: dict = {"dst_slots": out[3].dst_buffer_slot_idx.unique().tolist() if rank == bad_rank else None}
+    try:
+        buf.barrier()
+        outcome["error"] = None
+    except ValueError as error:
+        outcome["error"] = str(error)
+    del graph
+    # The same buffer still works: a dispatch and a combine against the reference
+    reference = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2048, num_topk=8,
+                                      backend="reference", explicitly_destroy=True)  # fmt: skip
+    x, topk_idx, weights, _ = make_inputs(
+        rank, group.size(), 80, 2048, "bf16", num_experts, 8, "hot", 0.1, 0, 4, "cuda"
+    )
+    outs = [b.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts) for b in (buf, reference)]
+    handle = check_dispatch(outs[0], outs[1], False, False, "dispatch after the error")
+    rows = torch.randn((handle.num_recv_tokens, 2048), device="cuda").to(torch.bfloat16)
+    equal(buf.combine(rows, outs[0][3])[0], reference.combine(rows, outs[1][3])[0], "combine after the error")
+    buf.destroy()
+    reference.destroy()
+    return outcome
+
+
+def test_invalid_routing_inside_a_graph_sends_nothing_and_raises_at_the_next_call():
+    num_ranks, bad_rank = 4, 1
+    world = LoopbackWorld(num_ranks, guard_bytes=64 << 10)
+    outcomes = world.run(_bad_routing_rank, bad_rank)
+    damaged = world.check_guards()
+    world.close()
+    bad = outcomes[bad_rank]
+    assert bad["dst_slots"] == [-1], bad
+    assert bad["error"] is not None and "at [17, 2]" in bad["error"] and f"got {8 * num_ranks + 5}" in bad["error"], bad
+    assert all(o["error"] is None for r, o in enumerate(outcomes) if r != bad_rank), outcomes
+    assert damaged == [], damaged
+    print(f"\ninvalid routing in a graph: rank {bad_rank} raised {bad['error'][:140]}")
+
+
+def _between_launches_rank(rank: int, group: dist.ProcessGroup) -> dict:
+    import dataclasses
+
+    from kernel_checks import make_inputs
+
+    import deep_ep
+
+    num_experts = 8 * group.size()
+    buf = _fault_buffer(group)
+    x, topk_idx, _, _ = make_inputs(rank, group.size(), 64, 2048, "bf16", num_experts, 8, "uniform", 0.0, 0, 5, "cuda")
+    buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)  # kernels loaded
+    outcome: dict = {}
+    if rank == 0:
+        # The exact outputs of a CPU-sync dispatch are allocated after its first launch: fail there
+        runtime = buf.backend.runtime
+        calls = {"n": 0}
+        real_empty = runtime.share.empty
+
+        def failing_empty(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise torch.cuda.OutOfMemoryError("injected after the first launch")
+            return real_empty(*args, **kwargs)
+
+        runtime.share = dataclasses.replace(runtime.share, empty=failing_empty)
+        try:
+            buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
+        except torch.cuda.OutOfMemoryError:
+            outcome["first"] = "OutOfMemoryError"
+        try:
+            buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
+            outcome["retry"] = "ran"
+        except (deep_ep.EPError, ValueError) as error:
+            outcome["retry"] = str(error)
+    else:
+        try:
+            buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
+            buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
+            outcome["retry"] = "ran"
+        except deep_ep.EPTimeoutError as error:
+            outcome["retry"] = str(error)
+    buf.destroy()
+    return outcome
+
+
+def test_an_exception_between_two_launches_makes_the_buffer_unusable():
+    world = LoopbackWorld(2, guard_bytes=64 << 10)
+    outcomes = world.run(_between_launches_rank)
+    damaged = world.check_guards()
+    world.close()
+    assert outcomes[0]["first"] == "OutOfMemoryError"
+    assert "unusable" in outcomes[0]["retry"], outcomes
+    assert "timed out" in outcomes[1]["retry"] or "unusable" in outcomes[1]["retry"], outcomes
+    assert damaged == [], damaged
+
+
+def _mismatch_rank(rank: int, group: dist.ProcessGroup) -> dict:
+    from kernel_checks import make_inputs
+
+    import deep_ep
+
+    num_experts = 8 * group.size()
+    buf = _fault_buffer(group)
+    x, topk_idx, _, _ = make_inputs(rank, group.size(), 64, 2048, "bf16", num_experts, 8, "uniform", 0.0, 0, 5, "cuda")
+    handle = buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)[3]
+    rows = torch.ones((handle.num_recv_tokens, 2048), dtype=torch.bfloat16, device="cuda")
+    buf.combine(rows, handle)
+    buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)  # kernels loaded
+    buf.combine(rows, handle)
+    dist.barrier(group=group)
+    started = time.monotonic()
+    outcome: dict = {}
+    try:
+        if rank == 0:
+            buf.combine(rows, handle)  # while the others dispatch
+            buf.barrier()
+        else:
+            buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
+        outcome["error"] = None
+    except (deep_ep.EPOperationMismatchError, deep_ep.EPTimeoutError) as error:
+        outcome["error"] = f"{type(error).__name__}: {error}"
+    outcome["raised_s"] = time.monotonic() - started
+    buf.destroy()
+    return outcome
+
+
+def test_ranks_running_different_operations_all_raise():
+    world = LoopbackWorld(4)
+    outcomes = world.run(_mismatch_rank)
+    world.close()
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["error"] is not None and "EPOperationMismatchError" in outcome["error"], (rank, outcome)
+        assert outcome["raised_s"] < FAULT_TIMEOUT_S, (rank, outcome)
+    print(f"\nmismatch: every rank raised at once; rank 1: {outcomes[1]['error'][:160]}")
+
+
+# ---------------------------------------------------------------------------- the world itself
+
+
+def _green_rank(rank: int, group: dist.ProcessGroup, seed: int) -> bool:
+    return _round_trip_rank(rank, group, seed)
+
+
+def test_green_contexts_partition_the_sms():
+    world = LoopbackWorld(4, green_contexts=True)
+    assert world.num_sms_per_rank % 8 == 0 and world.num_sms_per_rank * 4 <= world.num_device_sms
+    assert world.run(_green_rank, _seed()) == [True] * 4
+    world.close()
+
+
+def test_a_world_that_cannot_fit_is_refused():
+    with pytest.raises(ValueError, match="do not fit"):
+        LoopbackWorld(4, num_sms_per_rank=1000)
+    with pytest.raises(ValueError, match="num_ranks"):
+        LoopbackWorld(65)
+
+
+_TEARDOWN = """
+import datetime, torch, torch.distributed as dist
+import deep_ep
+from deep_ep.utils.spawn import find_free_port
+dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1,
+                        device_id=torch.device("cuda", 0), timeout=datetime.timedelta(seconds=60))
+buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=64, hidden=1024, num_topk=4,
+                            explicitly_destroy={explicit})
+assert buf.backend.name == "kernels", buf.backend.name
+x = torch.randn(32, 1024, device="cuda").to(torch.bfloat16)
+topk = torch.randint(0, 8, (32, 4), device="cuda")
+topk = torch.stack([torch.randperm(8, device="cuda")[:4] for _ in range(32)])
+recv, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=8)
+y = buf.combine(recv, handle)[0]
+torch.cuda.synchronize()
+if {explicit}:
+    buf.destroy()
+if {destroy_group}:
+    dist.destroy_process_group()
+print("done")
+"""
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["finalizer", "explicit"])
+@pytest.mark.parametrize("destroy_group", [True, False], ids=["group-destroyed", "group-alive"])
+def test_a_world_of_one_rank_tears_down_silently_at_exit(explicit, destroy_group):
+    script = (
+        textwrap.dedent(_TEARDOWN).replace("{explicit}", str(explicit)).replace("{destroy_group}", str(destroy_group))
+    )
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY")  # one real rank: no virtual ranks here
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False,
+                            env=env)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip().endswith("done"), result.stdout + result.stderr
+    for word in ("NCCLError", "Traceback", "Exception", "invalid device ordinal"):
+        assert word not in result.stderr, result.stderr
