@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 
 from deep_ep import planner
-from deep_ep.backend import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend
+from deep_ep.backend import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend, loopback_world_of
 from deep_ep.errors import EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
 from deep_ep.handle import EPHandle
-from deep_ep.loopback import loopback_world
 from deep_ep.validation import ValidationContext, as_bool, as_int, validate_combine, validate_dispatch
 
 # The dtype of `topk_idx` (V2's `deep_ep.topk_idx_t`)
@@ -32,7 +31,7 @@ _buffer_ids = itertools.count(1)
 def _group_device(group: dist.ProcessGroup) -> torch.device:
     """The device of a group's tensors: the current CUDA device for NCCL groups, the world's device
     for virtual ranks (`deep_ep.loopback`), else the CPU."""
-    world = loopback_world(group)
+    world = loopback_world_of(group)
     if world is not None:
         return world.device
     backend = str(dist.get_backend(group)).lower()
@@ -81,7 +80,7 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
         return kernels.KernelBackend
     use_kernels = _kernels_supported_here(group)
     # Virtual ranks answer alike by construction (one process, one GPU)
-    if agree and _group_device(group).type == "cuda" and loopback_world(group) is None:
+    if agree and _group_device(group).type == "cuda" and loopback_world_of(group) is None:
         votes = torch.tensor([int(use_kernels)], dtype=torch.int32, device=_group_device(group))
         dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
         use_kernels = bool(votes.item())
@@ -235,7 +234,7 @@ class ElasticBuffer:
         self._comm_stream = None
         if self.device.type == "cuda":
             # Virtual ranks must never share a stream (torch's pool hands out 32 per priority, round robin)
-            world = loopback_world(group)
+            world = loopback_world_of(group)
             self._comm_stream = (
                 world.comm_stream(self.rank_idx) if world is not None else torch.cuda.Stream(self.device)
             )

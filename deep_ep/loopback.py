@@ -53,6 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .backend import loopback_world_of
+
 # Hardware queues: streams that share one would order one rank's work behind another's
 _DEVICE_CONNECTIONS = "32"
 # A guarded allocation is surrounded by bytes of this pattern, and filled with the other (large
@@ -79,7 +81,7 @@ class LoopbackRankError(RuntimeError):
 
 def loopback_world(group: Any) -> LoopbackWorld | None:
     """The `LoopbackWorld` of a `LoopbackGroup`, or `None` for any other group."""
-    return group.loopback_world if isinstance(group, LoopbackGroup) else None
+    return loopback_world_of(group) if isinstance(group, LoopbackGroup) else None
 
 
 # ------------------------------------------------------------------------------------------ collectives

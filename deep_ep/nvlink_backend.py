@@ -16,9 +16,9 @@ from .backend import (
     DispatchRequest,
     DispatchResult,
     EPBackend,
+    loopback_world_of,
 )
 from .layout import MAX_LOCAL_EXPERTS, MAX_RANKS
-from .loopback import loopback_world
 from .nvlink import DeviceShare, NvlinkRuntime
 
 
@@ -29,7 +29,7 @@ def is_supported(group: dist.ProcessGroup) -> bool:
     virtual ranks of one GPU (`deep_ep.loopback`). The hard check comes at construction: NCCL's LSA
     team must span exactly the group.
     """
-    world = loopback_world(group)
+    world = loopback_world_of(group)
     if world is not None:
         return world.device.type == "cuda" and group.size() <= MAX_RANKS
     if not torch.cuda.is_available() or "nccl" not in str(dist.get_backend(group)).lower():
@@ -50,7 +50,7 @@ class NvlinkBackend(EPBackend):
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
-        world = loopback_world(group)
+        world = loopback_world_of(group)
         if world is not None:
             share = world.device_share(group.rank())
 
