@@ -538,9 +538,7 @@ class LoopbackWorld:
             try:
                 with torch.cuda.device(self.device):
                     for spec in missing:
-                        kernel = kernels.load(spec)
-                        if kernel.occupancy(kernels.NUM_THREADS if "expand_rank" not in spec.name else 1024) < 1:
-                            raise ValueError(f"LoopbackWorld: {kernel.name} cannot run on {self.device}")
+                        kernels.load(spec)
             finally:
                 self._exchange(rank, None, "kernel loading (after)")
             self._loaded[rank].update(missing)

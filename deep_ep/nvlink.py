@@ -217,10 +217,6 @@ class NvlinkRuntime:
         window[PEER_WINDOWS_OFFSET : PEER_WINDOWS_OFFSET + peers.numel()].copy_(peers)
         torch.cuda.current_stream().synchronize()
 
-    @property
-    def window(self) -> PeerWindows:
-        return self.windows
-
     # ---------------------------------------------------------------- faults
 
     def check_error(self) -> None:

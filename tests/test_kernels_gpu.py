@@ -265,7 +265,7 @@ def _epoch_wrap_rank(rank, num_ranks, seed):
 
     buffers = {b: _buffer(b, 128, 2048) for b in ("kernels", "reference")}
     # Start every rank's epoch and credits 3 operations before int32 wraps around
-    words = buffers["kernels"].backend.runtime.window.bytes[: CREDIT_OFFSET + 4 * num_ranks].view(torch.int32)
+    words = buffers["kernels"].backend.runtime.windows.bytes[: CREDIT_OFFSET + 4 * num_ranks].view(torch.int32)
     start = 2**31 - 3
     words[EPOCH_OFFSET // 4] = start
     words[CREDIT_OFFSET // 4 :] = start

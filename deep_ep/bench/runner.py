@@ -275,7 +275,7 @@ def _speed_of_light(buffer: Any, sms: list[int], config: BenchConfig, align: Cal
     from ..nvlink import peer_store
 
     runtime = buffer.backend.runtime
-    num_bytes = min(256 << 20, (runtime.window.num_bytes - (1 << 20)) // 16 * 16)
+    num_bytes = min(256 << 20, (runtime.windows.num_bytes - (1 << 20)) // 16 * 16)
     sources = [torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda") for _ in range(2)]
     result = {}
     for num_sms in sms:
