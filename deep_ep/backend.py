@@ -33,6 +33,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from deep_ep.handle import EPHandle
 
+
 def loopback_world_of(group: Any) -> Any:
     """The `deep_ep.loopback.LoopbackWorld` of a group of virtual ranks, else `None` (without
     importing `deep_ep.loopback`, whose import sets CUDA environment variables for virtual ranks)."""

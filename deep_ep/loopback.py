@@ -23,7 +23,8 @@ What makes virtual ranks reliable is part of the world:
 - Streams: every rank has its own compute and communication streams, never from torch's pool
   (which hands out 32 per priority round robin: two ranks on one stream deadlock), and
   `CUDA_DEVICE_MAX_CONNECTIONS` is raised to 32 before CUDA starts (streams sharing a hardware
-  queue would put one rank's work behind another's).
+  queue would put one rank's work behind another's). Streams outlive their world (a later world
+  takes them over): tensors that outlive it may still name them.
 - Kernels: loading a kernel may wait for every running kernel (a context-wide synchronisation), so
   CUDA loads all of torch's kernels when it starts (`CUDA_MODULE_LOADING=EAGER`, set before CUDA
   starts), and a rank that needs one of our kernels for the first time loads it together with every
@@ -35,7 +36,11 @@ What makes virtual ranks reliable is part of the world:
   allocations are served without `cudaMalloc` (`reserve_bytes`). `torch.cuda.empty_cache()`, which
   `torch.cuda.graph` calls, returns it; `LoopbackWorld.reserve()` refills it.
 - Waits: never synchronize the whole device inside a rank function (`torch.cuda.synchronize()`
-  would wait for peers' kernels that wait for this thread): wait on streams or events.
+  would wait for peers' kernels that wait for this thread): wait on streams or events. And never
+  read a CUDA tensor on the host (`.tolist()`, `.item()`, `.cpu()`) while this rank's stream holds
+  work that waits for a peer's next launch: the copy waits inside the driver and holds back the
+  peer's CUDA calls (its launch) with it. Drain the stream first by polling
+  (`deep_ep.host_reads.wait_for_stream`), as the facade and the reference backend do.
 """
 
 from __future__ import annotations
@@ -126,6 +131,10 @@ class _Rendezvous:
             entry["taken"] += 1
             if entry["taken"] == self.num_ranks:
                 self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        with self.condition:
+            self.entries.clear()
 
     def exchange(self, key: Any, rank: int, value: Any, timeout_s: float, what: str) -> list[Any]:
         """Blocking: every rank's value for `key`."""
@@ -356,16 +365,37 @@ class _GreenContexts:
                 _check(cuda.cuGreenCtxCreate(desc, jit_driver.device(device), flags), "cuGreenCtxCreate")
             )
 
-    def stream(self, rank: int) -> int:
-        cuda = _driver()
         flags = cuda.CUstream_flags.CU_STREAM_NON_BLOCKING
-        return int(_check(cuda.cuGreenCtxStreamCreate(self.contexts[rank], flags, 0), "cuGreenCtxStreamCreate"))
+        self.stream_handles = [
+            tuple(
+                int(_check(cuda.cuGreenCtxStreamCreate(context, flags, 0), "cuGreenCtxStreamCreate")) for _ in range(2)
+            )
+            for context in self.contexts
+        ]
 
-    def destroy(self) -> None:
-        cuda = _driver()
-        for context in self.contexts:
-            _check(cuda.cuGreenCtxDestroy(context), "cuGreenCtxDestroy")
-        self.contexts = []
+
+class _Pool:
+    """What ended worlds leave for the next: streams and green contexts are never destroyed, because
+    tensors that outlive a world may still name its streams (torch's allocator records an event on
+    every stream a freed tensor was used on, and one on a destroyed stream crashes the process)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[Any, list[Any]] = {}
+
+    def take(self, key: Any, create: Callable[[], Any]) -> Any:
+        with self._lock:
+            items = self._free.get(key)
+            if items:
+                return items.pop()
+        return create()
+
+    def give(self, key: Any, item: Any) -> None:
+        with self._lock:
+            self._free.setdefault(key, []).append(item)
+
+
+_POOL = _Pool()
 
 
 # ------------------------------------------------------------------------------------------ world
@@ -426,6 +456,7 @@ class LoopbackWorld:
         self._guarded: list[tuple[torch.Tensor, int, str]] = []
         self._windows: list[dict] = []
         self._green: _GreenContexts | None = None
+        self._green_key: Any = None
         self.num_device_sms = 0
         self.num_sms_per_rank = 0
         self._streams: list[_RankStreams] = []
@@ -463,21 +494,24 @@ class LoopbackWorld:
         self.num_sms_per_rank = share
         self._check_occupancy()
         cuda = _driver()
-        if green_contexts:
-            self._green = _GreenContexts(self.device.index, self.num_ranks, share)
+        index = self.device.index
         from .jit import driver as jit_driver
 
-        with torch.cuda.device(self.device), jit_driver.current_context(self.device.index):
-            for rank in range(self.num_ranks):
-                handles = []
-                for _ in range(2):
-                    if self._green is not None:
-                        handles.append(self._green.stream(rank))
-                    else:
-                        flags = cuda.CUstream_flags.CU_STREAM_NON_BLOCKING
-                        handles.append(int(_check(cuda.cuStreamCreate(flags), "cuStreamCreate")))
-                compute, comm = (torch.cuda.get_stream_from_external(h, self.device) for h in handles)
-                self._streams.append(_RankStreams(compute, comm, tuple(handles)))
+        def create_stream() -> int:
+            with jit_driver.current_context(index):
+                flags = cuda.CUstream_flags.CU_STREAM_NON_BLOCKING
+                return int(_check(cuda.cuStreamCreate(flags), "cuStreamCreate"))
+
+        if green_contexts:
+            self._green_key = ("green", index, self.num_ranks, share)
+            self._green = _POOL.take(self._green_key, lambda: _GreenContexts(index, self.num_ranks, share))
+        for rank in range(self.num_ranks):
+            if self._green is not None:
+                handles = self._green.stream_handles[rank]
+            else:
+                handles = tuple(_POOL.take(("stream", index), create_stream) for _ in range(2))
+            compute, comm = (torch.cuda.get_stream_from_external(h, self.device) for h in handles)
+            self._streams.append(_RankStreams(compute, comm, handles))
 
     def _check_occupancy(self) -> None:
         """Our kernels run one 512-thread CTA per SM at most; check that one fits at all."""
@@ -700,24 +734,24 @@ class LoopbackWorld:
         Call it when no rank function runs."""
         if self.device.type != "cuda":
             return
-        cuda = _driver()
-        from .jit import driver as jit_driver
-
         for streams in self._streams:
             streams.comm.synchronize()
             streams.compute.synchronize()
         with self._lock:
             self._windows.clear()
             self._guarded.clear()
-        torch.cuda.empty_cache()  # the reserve of streams that go away
-        with jit_driver.current_context(self.device.index):
+        # Contributions to collectives that a failure left unfinished
+        self.collectives.clear()
+        self._internal.clear()
+        torch.cuda.empty_cache()  # the reserve of this world's streams
+        if self._green is not None:
+            _POOL.give(self._green_key, self._green)
+            self._green = None
+        else:
             for streams in self._streams:
                 for handle in streams.handles:
-                    _check(cuda.cuStreamDestroy(cuda.CUstream(handle)), "cuStreamDestroy")
+                    _POOL.give(("stream", self.device.index), handle)
         self._streams = []
-        if self._green is not None:
-            self._green.destroy()
-            self._green = None
 
     def __enter__(self) -> LoopbackWorld:
         return self

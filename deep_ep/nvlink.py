@@ -129,10 +129,10 @@ def describe_fault(words: dict[str, int], timeout_s: float) -> str:
     phase = PHASES.get(words["phase"], f"phase {words['phase']}")
     rank, peer = words["rank"], words["peer"]
     if words["phase"] == _OP_MISMATCH_PHASE:
-        text = (
-            f"rank {peer} ran a different operation than rank {rank} (signature {words['observed'] & 0xFFFFFFFF:#x}, "
-            f"expected {words['expected'] & 0xFFFFFFFF:#x}): the ranks' sequences of dispatches and combines diverged"
-        )
+        text = f"rank {peer} ran a different operation than rank {rank}"
+        if words["channel"] >= 0:  # recorded where it was found (a peer's posted fault carries no words)
+            text += f" (signature {words['observed'] & 0xFFFFFFFF:#x}, expected {words['expected'] & 0xFFFFFFFF:#x})"
+        text += ": the ranks' sequences of dispatches and combines diverged"
     else:
         text = f"{phase} timed out on rank {rank} waiting for rank {peer} after {timeout_s:g} s"
         if words["channel"] >= 0:

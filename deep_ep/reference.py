@@ -27,6 +27,7 @@ from deep_ep.backend import (
     ScaleKind,
 )
 from deep_ep.errors import EPTimeoutError
+from deep_ep.host_reads import host_list, to_host, wait_for_stream
 from deep_ep.utils.math import align
 
 # The fields every rank sends before a dispatch; they must agree across ranks
@@ -158,7 +159,7 @@ def compute_send_layout(topk_idx: torch.Tensor, num_ranks: int, num_local_expert
     send_token_idx = hit.t().nonzero()[:, 1]
     return SendLayout(
         dst_rank=dst_rank,
-        send_counts=hit.sum(dim=0).tolist(),
+        send_counts=host_list(hit.sum(dim=0)),
         send_token_idx=send_token_idx,
         dst_buffer_slot_idx=dst_buffer_slot_idx.contiguous(),
     )
@@ -245,7 +246,7 @@ class ReferenceBackend(EPBackend):
         outputs = [torch.empty_like(row) for _ in range(self.num_ranks)]
         work = dist.all_gather(outputs, row, group=self.group, async_op=True)
         self._wait(work, what, blocking=True)
-        return torch.stack(outputs).cpu()
+        return to_host(torch.stack(outputs))
 
     def _all_to_all(
         self, records: torch.Tensor, send_counts: list[int], recv_counts: list[int], what: str
@@ -273,6 +274,8 @@ class ReferenceBackend(EPBackend):
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """See `EPBackend.dispatch`; the host synchronizes internally to learn the split sizes."""
         req = request
+        if self.device.type == "cuda":
+            wait_for_stream()  # torch's own host syncs below (nonzero) must find nothing queued
         handle = req.cached_handle
         num_local_experts = req.num_experts // self.num_ranks
         if handle is None:
@@ -422,7 +425,7 @@ class ReferenceBackend(EPBackend):
             recv_topk_weights=out_weights,
             num_recv_tokens=num_recv_alloc,
             num_expanded_tokens=num_expanded_alloc,
-            num_recv_tokens_per_expert_list=recv.aligned_counts.tolist() if req.do_cpu_sync else None,
+            num_recv_tokens_per_expert_list=host_list(recv.aligned_counts) if req.do_cpu_sync else None,
             psum_num_recv_tokens_per_scaleup_rank=psum_ranks.to(torch.int32),
             psum_num_recv_tokens_per_expert=psum_experts.to(torch.int32),
             num_unaligned_recv_tokens_per_expert=recv.counts.to(torch.int32),
@@ -434,6 +437,8 @@ class ReferenceBackend(EPBackend):
     def combine(self, request: CombineRequest) -> CombineResult:
         """See `EPBackend.combine`: FP32 sums in the contract's order, one rounding to BF16."""
         req, handle = request, request.handle
+        if self.device.type == "cuda":
+            wait_for_stream()  # torch's own host syncs below (nonzero) must find nothing queued
         state: ReferenceState = handle.backend_state
         send, recv = state.send, state.recv
         num_recv, num_topk, num_tokens = recv.num_recv_tokens, handle.num_topk, handle.num_tokens
@@ -469,11 +474,11 @@ class ReferenceBackend(EPBackend):
                 weights = req.topk_weights[expanded].unsqueeze(1)
             pairs_per_row = local.sum(dim=1)
             send_counts = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
-            send_counts = send_counts.index_add_(0, recv.src_rank, pairs_per_row).tolist()
+            send_counts = host_list(send_counts.index_add_(0, recv.src_rank, pairs_per_row))
             dst = send.dst_rank
             recv_counts = [
                 int(v)
-                for v in (dst.unsqueeze(2) == torch.arange(self.num_ranks, device=device)).sum(dim=(0, 1)).tolist()
+                for v in host_list((dst.unsqueeze(2) == torch.arange(self.num_ranks, device=device)).sum(dim=(0, 1)))
             ]
         parts = [_to_bytes(rows)]
         if weights is not None:

@@ -22,6 +22,7 @@ import torch
 from deep_ep.backend import CombineRequest, DispatchRequest, ScaleKind
 from deep_ep.event import EventHandle
 from deep_ep.handle import EPHandle
+from deep_ep.host_reads import host_list
 from deep_ep.utils.math import ceil_div
 
 
@@ -196,7 +197,7 @@ def check_topk_idx_values(op: str, topk_idx: torch.Tensor, num_experts: int) -> 
     out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
     ordered = topk_idx.sort(dim=1).values
     repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    has_out_of_range, has_repeated = torch.stack([out_of_range.any(), repeated.any()]).tolist()
+    has_out_of_range, has_repeated = host_list(torch.stack([out_of_range.any(), repeated.any()]))
     if has_out_of_range:
         token, lane = (int(v) for v in out_of_range.nonzero()[0].tolist())
         raise ValueError(

@@ -185,7 +185,7 @@ def run_case(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any], see
         equal(tensor, copy, "an input tensor (it was modified)")
 
 
-def make_buffers(group: Any, num_ranks: int) -> dict:
+def make_buffers(group: Any, num_ranks: int, timeout_s: int = 30) -> dict:
     """Per `allow_multiple_reduction`: a kernels buffer and a reference buffer of `group`."""
     import deep_ep
 
@@ -194,7 +194,7 @@ def make_buffers(group: Any, num_ranks: int) -> dict:
         pair = tuple(
             deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=num_max_tokens(num_ranks), hidden=MAX_HIDDEN,
                                   num_topk=MAX_TOPK, use_fp8_dispatch=False, allow_multiple_reduction=multiple_reduction,
-                                  backend=backend, explicitly_destroy=True, num_gpu_timeout_secs=30)
+                                  backend=backend, explicitly_destroy=True, num_gpu_timeout_secs=timeout_s)
             for backend in ("kernels", "reference")
         )  # fmt: skip
         assert pair[0].backend.name == "kernels" and pair[1].backend.name == "reference"

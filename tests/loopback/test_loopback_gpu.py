@@ -459,6 +459,45 @@ def test_ranks_running_different_operations_all_raise():
     print(f"\nmismatch: every rank raised at once; rank 1: {outcomes[1]['error'][:160]}")
 
 
+def _late_peer_rank(rank: int, group: dist.ProcessGroup, seed: int) -> float:
+    """A no-sync dispatch on the kernels, then the same dispatch on the reference, whose checks read
+    `topk_idx` values on the host while this rank's stream still waits for the late rank 1."""
+    from kernel_checks import check_dispatch, make_inputs
+
+    import deep_ep
+
+    def make(backend: str):
+        return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2560, num_topk=8, backend=backend,
+                                     explicitly_destroy=True, num_gpu_timeout_secs=FAULT_TIMEOUT_S)  # fmt: skip
+
+    kbuf, rbuf = make("kernels"), make("reference")
+    x, topk_idx, weights, _ = make_inputs(rank, group.size(), 100, 2560, "bf16", 8 * group.size(), 8, "uniform", 0.1,
+                                          0, seed, "cuda")  # fmt: skip
+    args = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=8 * group.size(), do_cpu_sync=False)
+    dist.barrier(group=group)
+    started = time.monotonic()
+    if rank == 1:
+        time.sleep(FAULT_TIMEOUT_S / 4)
+    out = kbuf.dispatch(x, **args)
+    check_dispatch(out, rbuf.dispatch(x, **args), False, False, "dispatch with a late peer")
+    elapsed = time.monotonic() - started
+    kbuf.destroy()
+    rbuf.destroy()
+    return elapsed
+
+
+def test_a_host_read_while_a_peer_is_late_does_not_hold_the_peer_back():
+    """A copy to pageable host memory waits inside the driver and holds back the other threads' CUDA
+    calls: before `deep_ep.host_reads`, rank 0's read here held rank 1's launch until the deadline."""
+    world = LoopbackWorld(2)
+    elapsed = world.run(_late_peer_rank, _seed())
+    world.close()
+    assert max(elapsed) < FAULT_TIMEOUT_S * 0.75, elapsed
+    print(
+        f"\nlate peer: both ranks done {max(elapsed):.2f} s after the barrier (rank 1 started {FAULT_TIMEOUT_S / 4:g} s late)"
+    )
+
+
 # ---------------------------------------------------------------------------- the world itself
 
 

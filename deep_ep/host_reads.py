@@ -1,0 +1,47 @@
+"""Host reads of device values that never wait inside the CUDA driver.
+
+A copy from the device into pageable host memory (`.tolist()`, `.item()`, `.cpu()` of a CUDA tensor)
+waits inside the driver for the work queued before it on its stream, and while it waits, CUDA calls of
+the process's other threads (an event record, a kernel launch) wait too. Virtual ranks
+(`deep_ep.loopback`) are threads of one process: a rank whose queued kernel waits for a peer's next
+launch, and that then reads a value, holds that launch back until the kernel's deadline (seen on one
+H200 as a reproducible stall of the virtual-rank sweep). So a read first polls an event until the
+stream's queued work is done; the copy then finds nothing to wait for.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Busy-poll this long before backing off to short sleeps (a sleep costs a scheduler tick)
+_SPIN_S = 2e-3
+
+
+def wait_for_event(event: torch.cuda.Event) -> None:
+    """`event.synchronize()` by polling (device waits have deadlines, so the event always completes)."""
+    started = time.monotonic()
+    while not event.query():
+        time.sleep(0 if time.monotonic() - started < _SPIN_S else 1e-4)
+
+
+def wait_for_stream(stream: torch.cuda.Stream | None = None) -> None:
+    """Return once everything queued so far on `stream` (default: the current stream) has run."""
+    event = torch.cuda.Event()
+    event.record(stream if stream is not None else torch.cuda.current_stream())
+    wait_for_event(event)
+
+
+def host_list(tensor: torch.Tensor) -> list:
+    """`tensor.tolist()`, for a CUDA tensor after its stream has drained (any dtype and shape)."""
+    if tensor.is_cuda:
+        wait_for_stream()
+    return tensor.tolist()
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `tensor` (any dtype and shape), taken after the current stream has drained."""
+    if tensor.is_cuda:
+        wait_for_stream()
+    return tensor.cpu()
