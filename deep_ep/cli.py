@@ -322,9 +322,11 @@ def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the dispatch/combine benchmark on whatever is present (see `deep_ep.bench.runner`)."""
+    import deep_ep.loopback  # noqa: F401  (before CUDA starts: the CUDA settings virtual ranks need)
     from deep_ep.bench import cases, runner
 
-    config = cases.default_config(sms=args.sms, tokens=args.tokens, dtypes=args.dtype, routings=args.routing)
+    config = cases.default_config(sms=args.sms, tokens=args.tokens, dtypes=args.dtype, routings=args.routing,
+                                  num_ranks=args.ranks)  # fmt: skip
     if args.iters is not None:
         config.num_iters = args.iters
     if args.samples is not None:
@@ -351,7 +353,8 @@ def register_bench(subparsers: Any) -> None:
         "bench",
         help="time dispatch/combine against torch all_to_all_single and the NVLink speed of light",
         description="GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
-        "no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are checked against "
+        "one GPU: the same kernels on virtual ranks sharing it (deep_ep.loopback; the times show the kernels' own "
+        "cost, not NVLink); no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are checked against "
         "deep_ep.reference before they are timed. On GPUs every case is timed eagerly (dispatch with CPU sync, "
         "then combine) and, from CUDA-graph replays, as device time of a fresh no-sync dispatch, a cached "
         "dispatch and a combine. Each (dtype, routing, tokens) runs the planner's SM pick plus the --sms sweep.",
@@ -359,6 +362,9 @@ def register_bench(subparsers: Any) -> None:
     parser.add_argument(
         "--sms", type=_int_list, default=None, help="SM counts to sweep besides the planner's pick, e.g. 8,16,24"
     )
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="ranks: virtual ranks on a machine with one GPU (default 4), at most the GPUs "
+                             "on a machine with several (default all), CPU ranks without GPUs (default 2)")  # fmt: skip
     parser.add_argument("--tokens", type=_int_list, default=None, help="tokens per rank, e.g. 8192,4096,128")
     parser.add_argument("--dtype", type=_choice_list(DTYPES), default=None,
                         help="dispatch dtypes: fp8 (per-128 FP32 scales), bf16, or both, e.g. fp8,bf16 (default fp8)")  # fmt: skip
@@ -408,6 +414,9 @@ def register_calibrate(subparsers: Any) -> None:
     parser.add_argument("--out", default=None, metavar="FILE",
                         help="where to write the document (default: the package's deep_ep/data/hopper.json)")  # fmt: skip
     parser.add_argument("--refit", default=None, metavar="FILE", help="refit the measurements of this document")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="ranks: virtual ranks on a machine with one GPU (default 4), at most the GPUs "
+                             "on a machine with several (default all), CPU ranks without GPUs (default 2)")  # fmt: skip
     parser.add_argument("--tokens", type=_int_list, default=None, help="tokens per rank (default 8192,4096,1024,128)")
     parser.add_argument("--sms", type=_int_list, default=None, help="SM counts (default 2..96; all SMs are added)")
     parser.add_argument("--samples", type=int, default=None, help="graph-replay samples per point (default 5)")

@@ -135,7 +135,7 @@ def test_gpu_report_tables_checks_json_and_plot(tmp_path):
 
     class Config:
         seed, num_iters, num_warmups, num_rotations, num_graph_rotations, num_graph_samples = 1, 2, 1, 2, 2, 3
-        hot_fraction = 0.5
+        hot_fraction, num_ranks, virtual_ranks = 0.5, 2, False
 
     json_path, plot_path = tmp_path / "gpu.json", tmp_path / "gpu.png"
     report.write_json(str(json_path), rows, found, meta, Config(), "deep-ep bench --test", "2x test GPU")
@@ -235,3 +235,33 @@ def test_gpu_bench_compiles_exactly_kernels_of_the_warmup_set_for_two_gpus():
     assert set(specs) <= set(kernels.warmup_specs())
     eight = cases.kernel_specs(cases.BenchConfig(bench_cases, 8, "cuda"))
     assert all(spec.template_args[0] == 8 for spec in eight if spec.name == "deep_ep::dispatch_impl")
+
+
+# ------------------------------------------------------------------------------------------ ranks
+
+
+def test_ranks_option_chooses_the_number_of_ranks_and_rejects_what_cannot_run():
+    config = cases.default_config(tokens=[16], num_ranks=4)  # CPU here: 4 CPU ranks, 32 experts
+    assert config.num_ranks == 4 and not config.virtual_ranks
+    for bad, message in ((3, "divide the 32 experts"), (1, r"\[2, 64\]"), (65, r"\[2, 64\]")):
+        with pytest.raises(ValueError, match=message):
+            cases.default_config(num_ranks=bad)
+
+
+def test_bench_on_virtual_cpu_ranks_runs_every_rank_in_one_process_and_says_so(tmp_path):
+    from deep_ep.bench import runner
+
+    config = cases.BenchConfig(cases.make_cases([16], None, ["bf16"], ["imbalanced"], 256, 4, 16), 4, "cpu",
+                               virtual_ranks=True, num_warmups=1, num_iters=2, num_rotations=2, graphs=False,
+                               speed_of_light=False, seed=11)  # fmt: skip
+    json_path = tmp_path / "virtual.json"
+    rows = runner.run(config, json_path=str(json_path), command="deep-ep bench --test")
+    document = json.loads(json_path.read_text())
+    assert document["virtual_ranks"] is True and document["num_ranks"] == 4
+    assert "virtual" in document["hardware"] and "VIRTUAL RANKS" in document["virtual_ranks_note"]
+    assert document["checks"]["targets"] == [] and document["checks"]["prediction"] == []
+    (row,) = rows
+    assert row["backend"] == "ReferenceBackend" and row["num_records"] > 0
+    assert row["dispatch_us"] > 0 and row["torch_dispatch_us"] > 0 and row["predicted_dispatch_us"] is None
+    text = report.format_report(rows, document["checks"], dict(virtual_ranks=True, planner_source="test"))
+    assert text.startswith("VIRTUAL RANKS")

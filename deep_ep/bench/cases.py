@@ -53,8 +53,10 @@ class BenchConfig:
 
     Attributes:
         cases: the cases, in the order of the table.
-        num_ranks: ranks to spawn (all local GPUs, or 2 CPU ranks).
+        num_ranks: ranks to run (all local GPUs, virtual ranks on one GPU, or CPU ranks).
         device: `'cuda'` or `'cpu'`.
+        virtual_ranks: the ranks are threads of this process sharing one GPU (`deep_ep.loopback`):
+            times show the kernels' own cost (layouts, epilogues, host launches), not NVLink.
         num_warmups, num_iters: eager timing iterations.
         num_rotations: input sets per case (eager iterations rotate among them).
         num_graph_rotations: input sets captured in graphs (replays rotate among them; GPUs only).
@@ -69,6 +71,7 @@ class BenchConfig:
     cases: list[BenchCase]
     num_ranks: int
     device: str
+    virtual_ranks: bool = False
     num_warmups: int = 5
     num_iters: int = 30
     num_rotations: int = 3
@@ -107,20 +110,37 @@ def make_cases(
     ]
 
 
+DEFAULT_VIRTUAL_RANKS = 4
+
+
 def default_config(
     sms: list[int] | None = None,
     tokens: list[int] | None = None,
     dtypes: list[str] | None = None,
     routings: list[str] | None = None,
+    num_ranks: int | None = None,
 ) -> BenchConfig:
-    """DeepSeek-V3 shape on GPUs (T=8192/4096/128, H=7168, top-8, 256 experts, FP8 dispatch); a small
-    shape on 2 CPU ranks. Every (dtype, routing, tokens) gets the planner's pick plus the `sms` sweep."""
+    """DeepSeek-V3 shape on GPUs (T=8192/4096/128, H=7168, top-8, 256 experts, FP8 dispatch): one rank
+    per GPU, or with one GPU `num_ranks` virtual ranks on it (default 4); a small shape on CPU ranks
+    (default 2). Every (dtype, routing, tokens) gets the planner's pick plus the `sms` sweep."""
+    from ..layout import MAX_RANKS
+
     dtypes, routings = dtypes or ["fp8"], routings or ["uniform"]
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        cases = make_cases(tokens or [8192, 4096, 128], sms, dtypes, routings, 7168, 8, 256)
-        return BenchConfig(cases, torch.cuda.device_count(), "cuda")
-    cases = make_cases(tokens or [512, 128], sms, dtypes, routings, 1024, 4, 32)
-    return BenchConfig(cases, 2, "cpu", num_warmups=2, num_iters=5, num_rotations=2, graphs=False,
+    if num_ranks is not None and not 2 <= num_ranks <= MAX_RANKS:
+        raise ValueError(f"bench: `--ranks` must be in [2, {MAX_RANKS}], got {num_ranks}")
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_gpus >= 2 and num_ranks is not None and num_ranks > num_gpus:
+        raise ValueError(f"bench: `--ranks` {num_ranks} is more than the {num_gpus} GPUs of this machine")
+    num_experts = 256 if num_gpus else 32
+    if num_ranks is not None and num_experts % num_ranks:
+        raise ValueError(f"bench: `--ranks` must divide the {num_experts} experts, got {num_ranks}")
+    if num_gpus:
+        cases = make_cases(tokens or [8192, 4096, 128], sms, dtypes, routings, 7168, 8, num_experts)
+        if num_gpus >= 2:
+            return BenchConfig(cases, num_ranks or num_gpus, "cuda")
+        return BenchConfig(cases, num_ranks or DEFAULT_VIRTUAL_RANKS, "cuda", virtual_ranks=True)
+    cases = make_cases(tokens or [512, 128], sms, dtypes, routings, 1024, 4, num_experts)
+    return BenchConfig(cases, num_ranks or 2, "cpu", num_warmups=2, num_iters=5, num_rotations=2, graphs=False,
                        speed_of_light=False)  # fmt: skip
 
 

@@ -208,7 +208,11 @@ def epilogue_shares(row: dict) -> dict[str, float]:
     return shares
 
 
-def checks(rows: list[dict]) -> dict[str, list[dict]]:
+def checks(rows: list[dict], virtual_ranks: bool = False) -> dict[str, list[dict]]:
+    """The planner, prediction and target checks; virtual ranks only check the planner's SM pick
+    (their times are not NVLink's, which the predictions and the targets are about)."""
+    if virtual_ranks:
+        return dict(planner_sm=planner_sm_checks(rows), prediction=[], targets=[])
     return dict(planner_sm=planner_sm_checks(rows), prediction=prediction_checks(rows), targets=target_checks(rows))
 
 
@@ -332,8 +336,17 @@ def format_breakdowns(rows: list[dict]) -> str:
     return ("kernel breakdown (us per call, torch profiler over graph replays):\n" + "\n".join(lines)) if lines else ""
 
 
+VIRTUAL_RANKS_NOTE = (
+    "VIRTUAL RANKS: every rank is a thread of one process and all of them share one GPU (deep_ep.loopback). "
+    "Times show the kernels' own cost (layouts, epilogues, host launches), not NVLink; the torch path runs "
+    "over thread collectives, not NCCL; the speed of light is peer stores inside one GPU's memory. "
+    "No NVLink target or prediction is checked."
+)
+
+
 def format_report(rows: list[dict], found: dict[str, list[dict]], meta: dict) -> str:
-    parts = [format_eager_table(rows)]
+    parts = [VIRTUAL_RANKS_NOTE] if meta.get("virtual_ranks") else []
+    parts.append(format_eager_table(rows))
     if any(r["graph_dispatch_us"] is not None for r in rows):
         parts.append(format_graph_table(rows))
     else:
@@ -341,7 +354,8 @@ def format_report(rows: list[dict], found: dict[str, list[dict]], meta: dict) ->
     sol = meta.get("speed_of_light_gbs")
     if sol:
         by_sms = ", ".join(f"{m}: {v:.0f}" for m, v in (meta.get("speed_of_light_by_sms") or {}).items())
-        parts.append(f"speed of light (peer-store probe, every rank writing): {sol:.1f} GB/s per direction "
+        where = " between virtual ranks of one GPU" if meta.get("virtual_ranks") else ""
+        parts.append(f"speed of light (peer-store probe{where}, every rank writing): {sol:.1f} GB/s per direction "
                      f"(by SMs: {by_sms})")  # fmt: skip
     parts.append("* = the planner's pick (num_sms=0, ElasticBuffer.get_theoretical_num_sms for this shape); "
                  f"planner rates: {meta.get('planner_source')}")  # fmt: skip
@@ -365,10 +379,17 @@ def git_commit() -> str:
         return "unknown"
 
 
-def hardware_name(device: str, num_ranks: int) -> str:
+def hardware_name(device: str, num_ranks: int, virtual_ranks: bool = False) -> str:
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
+        if virtual_ranks:
+            return (f"{num_ranks} virtual ranks sharing one {props.name} ({props.multi_processor_count} SMs; "
+                    "deep_ep.loopback, no NVLink)")  # fmt: skip
         return f"{num_ranks}x {props.name} ({props.multi_processor_count} SMs)"
+    if virtual_ranks:
+        return (
+            f"{num_ranks} virtual CPU ranks (threads, deep_ep.loopback) on {platform.processor() or platform.machine()}"
+        )
     return f"{num_ranks} CPU ranks (gloo) on {platform.processor() or platform.machine()}"
 
 
@@ -389,7 +410,8 @@ def write_json(path: str, rows: list[dict], found: dict, meta: dict, config: Ben
 
     document = dict(
         commit=git_commit(), command=command or " ".join(sys.argv), hardware=hardware, date=utc_now(),
-        torch=torch.__version__, seed=config.seed, num_iters=config.num_iters, num_warmups=config.num_warmups,
+        num_ranks=config.num_ranks, virtual_ranks=config.virtual_ranks,
+        virtual_ranks_note=VIRTUAL_RANKS_NOTE if config.virtual_ranks else None, torch=torch.__version__, seed=config.seed, num_iters=config.num_iters, num_warmups=config.num_warmups,
         num_rotations=config.num_rotations, num_graph_rotations=config.num_graph_rotations,
         num_graph_samples=config.num_graph_samples,
         hot_fraction=config.hot_fraction, speed_of_light_gbs=meta.get("speed_of_light_gbs"),
@@ -445,7 +467,13 @@ def plot(rows: list[dict], path: str, meta: dict, provenance: str | None = None)
     sol = meta.get("speed_of_light_gbs")
     for axis in (by_tokens, *by_sms):
         if sol:
-            axis.axhline(sol, linestyle="--", color="gray", linewidth=0.8, label="NVLink SoL (per direction)")
+            axis.axhline(
+                sol,
+                linestyle="--",
+                color="gray",
+                linewidth=0.8,
+                label="peer-store SoL, one GPU" if meta.get("virtual_ranks") else "NVLink SoL (per direction)",
+            )
         axis.set_ylabel("wire GB/s (per direction)")
         axis.legend(fontsize=7)
         axis.grid(alpha=0.3)

@@ -1,7 +1,8 @@
 """`deep-ep bench`: dispatch/combine timed against the torch all-to-all path and the NVLink speed of light.
 
-Runs on whatever is present: all local GPUs with the NVLink kernels, or 2 CPU ranks (gloo) with the
-reference backend. Every case is checked bitwise against `deep_ep.reference` before it is timed
+Runs on whatever is present: all local GPUs with the NVLink kernels; with one GPU, virtual ranks on
+it (`deep_ep.loopback`: the same kernels, every window in one GPU's memory, so times show the
+kernels' own cost, not NVLink); or 2 CPU ranks (gloo) with the reference backend. Every case is checked bitwise against `deep_ep.reference` before it is timed
 (on GPUs also the first replay of every captured graph). Per case, on GPUs:
 
 - eager: a dispatch with CPU sync (exact shapes), then a combine of its handle; medians over
@@ -245,7 +246,7 @@ def _bench_case(case: BenchCase, ours: Any, state: KeyState, rank: int, num_rank
                graph_calls_per_replay=None, graph_checked=False, kernel_breakdown=None)  # fmt: skip
     if _uses_graphs(config, row["backend"]):
         row.update(_graph_times(case, ours, state, num_sms, config, group, align))
-    row.update(_prediction(case, num_sms, num_ranks, device))
+    row.update(_prediction(case, num_sms, num_ranks, device, config.virtual_ranks))
     return row
 
 
@@ -254,10 +255,13 @@ def _uses_graphs(config: BenchConfig, backend_name: str) -> bool:
     return config.graphs and config.device == "cuda" and backend_name == "NvlinkBackend"
 
 
-def _prediction(case: BenchCase, num_sms: int, num_ranks: int, device: str) -> dict:
-    """The planner's predicted graph times of this case at its SM count (uniform routing)."""
+def _prediction(case: BenchCase, num_sms: int, num_ranks: int, device: str, virtual_ranks: bool) -> dict:
+    """The planner's predicted graph times of this case at its SM count (uniform routing); none for
+    virtual ranks (the planner models NVLink)."""
     from .. import planner
 
+    if virtual_ranks:
+        return dict(predicted_dispatch_us=None, predicted_combine_us=None)
     num_device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
         if device == "cuda" else None  # fmt: skip
     shape = planner.MoEShape(case.num_tokens, case.hidden, case.num_topk, case.num_experts, case.fp8_dispatch)
@@ -290,13 +294,13 @@ def _progress(rank: int, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def bench_rank(rank: int, num_ranks: int, config: BenchConfig) -> dict:
-    """Run every case on this rank; returns `{"rows": [...], "meta": {...}}`."""
+def bench_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> dict:
+    """Run every case on this rank of `group`; returns `{"rows": [...], "meta": {...}}`."""
     import deep_ep
 
     from .. import planner
 
-    group = dist.group.WORLD
+    num_ranks = group.size()
     device = config.device
     make = lambda backend, num_tokens, hidden, num_topk, fp8: deep_ep.ElasticBuffer(  # noqa: E731
         group, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=num_topk, use_fp8_dispatch=fp8,
@@ -311,7 +315,7 @@ def bench_rank(rank: int, num_ranks: int, config: BenchConfig) -> dict:
     largest = max(buffer_keys, key=lambda k: k[0] * k[1])
     rows: list[dict | None] = [None] * len(config.cases)
     meta: dict[str, Any] = dict(speed_of_light_gbs=None, speed_of_light_by_sms=None, num_device_sms=None,
-                                planner_source=planner.HOPPER.source)  # fmt: skip
+                                planner_source=planner.HOPPER.source, virtual_ranks=config.virtual_ranks)  # fmt: skip
     done = 0
     for buffer_key in buffer_keys:
         ours = make("auto", *buffer_key)
@@ -342,7 +346,7 @@ def bench_rank(rank: int, num_ranks: int, config: BenchConfig) -> dict:
             _progress(rank, f"speed of light (peer stores, {num_device_sms} SMs): {by_sms[num_device_sms]:.1f} GB/s")
         states.clear()
         ours.destroy()
-        if device == "cuda":
+        if device == "cuda" and not config.virtual_ranks:  # virtual ranks keep their allocator reserve
             torch.cuda.empty_cache()
 
     # Kernel breakdowns of the planner's cases, after every timing
@@ -370,15 +374,27 @@ def bench_rank(rank: int, num_ranks: int, config: BenchConfig) -> dict:
 # ------------------------------------------------------------------------------------------ run
 
 
+def _spawned_rank(rank: int, num_ranks: int, config: BenchConfig) -> dict:
+    return bench_rank(rank, dist.group.WORLD, config)
+
+
 def run(config: BenchConfig, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None) -> list[dict]:  # fmt: skip
     """Spawn the ranks, run every case, print the tables and checks, and write the JSON / PNG when asked."""
-    backend = "nccl" if config.device == "cuda" else "gloo"
-    hardware = report.hardware_name(config.device, config.num_ranks)
+    if config.virtual_ranks and config.breakdown:
+        raise ValueError("bench: `--breakdown` needs one process per rank (the torch profiler is per process)")
+    hardware = report.hardware_name(config.device, config.num_ranks, config.virtual_ranks)
     print(f"deep-ep bench: {len(config.cases)} case(s) on {hardware}, seed {config.seed}", file=sys.stderr, flush=True)
-    per_rank = spawn_ranks(bench_rank, config.num_ranks, backend=backend, args=(config,), timeout_s=1800)
+    if config.virtual_ranks:
+        from ..loopback import LoopbackWorld
+
+        with LoopbackWorld(config.num_ranks, 0 if config.device == "cuda" else "cpu", timeout_s=1800) as world:
+            per_rank = world.run(bench_rank, config)
+    else:
+        backend = "nccl" if config.device == "cuda" else "gloo"
+        per_rank = spawn_ranks(_spawned_rank, config.num_ranks, backend=backend, args=(config,), timeout_s=1800)
     rows = report.summarize([r["rows"] for r in per_rank], per_rank[0]["meta"])
-    checks = report.checks(rows)
+    checks = report.checks(rows, config.virtual_ranks)
     print(report.format_report(rows, checks, per_rank[0]["meta"]))
     if json_path:
         report.write_json(json_path, rows, checks, per_rank[0]["meta"], config, command, hardware)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..host_reads import host_list, wait_for_event, wait_for_stream
+
 # A graph timing sample lasts about this long (the replay count adapts to the call's duration)
 GRAPH_SAMPLE_S = 0.02
 MIN_REPLAYS, MAX_REPLAYS = 3, 400
@@ -40,7 +42,7 @@ def time_eager(
             start.record()
             fn(inputs[i % len(inputs)])
             end.record()
-            end.synchronize()
+            wait_for_event(end)
             elapsed = start.elapsed_time(end) / 1e3
         else:
             started = time.perf_counter()
@@ -70,7 +72,7 @@ class CapturedOp:
     def replay_first(self) -> Any:
         """Replay graph 0 once, wait for it, and return the outputs of its first call."""
         self.graphs[0].replay()
-        torch.cuda.synchronize()
+        wait_for_stream()
         return self.outputs[0][0]
 
     def release(self) -> None:
@@ -79,26 +81,40 @@ class CapturedOp:
         self.outputs.clear()
 
 
+def _capture_stream() -> torch.cuda.Stream:
+    """The current stream, unless it is the default stream (which cannot capture): then a new one.
+    Virtual ranks (`deep_ep.loopback`) run on streams of their own, and one from torch's pool could
+    be another rank's."""
+    current = torch.cuda.current_stream()
+    return torch.cuda.Stream() if current == torch.cuda.default_stream() else current
+
+
 def capture(call: Callable[[int], Any], num_inputs: int, calls_per_graph: int) -> CapturedOp:
     """Capture `call(r)` for every input set `r` (collective: every rank captures the same calls).
 
-    One warm-up call runs first, outside capture, on a side stream: kernels load and the allocator
-    settles before capture. Each graph is captured on a side stream (`torch.cuda.graph`).
+    One warm-up call runs first, outside capture: kernels load and the allocator settles. Each graph
+    is captured on a stream other than the default one. Host waits poll (`deep_ep.host_reads`), and
+    capture does not synchronize the device nor empty the allocator's cache as `torch.cuda.graph`
+    does: with virtual ranks either would wait for, or take memory from, another rank's work.
     """
-    side = torch.cuda.Stream()
+    side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         call(0)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    wait_for_stream(side)
     graphs, outputs = [], []
     for r in range(num_inputs):
         graph = torch.cuda.CUDAGraph()
-        # thread_local: API calls of other threads (the NCCL watchdog's event queries) cannot invalidate it
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            outputs.append([call(r) for _ in range(calls_per_graph)])
+        with torch.cuda.stream(side):
+            # thread_local: API calls of other threads (the NCCL watchdog's event queries) cannot invalidate it
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs.append([call(r) for _ in range(calls_per_graph)])
+            finally:
+                graph.capture_end()
         graphs.append(graph)
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().wait_stream(side)
+    wait_for_stream(side)
     return CapturedOp(graphs, outputs, calls_per_graph)
 
 
@@ -109,7 +125,7 @@ def _replay(op: CapturedOp, num_replays: int) -> float:
     for i in range(num_replays):
         op.graphs[i % len(op.graphs)].replay()
     end.record()
-    end.synchronize()
+    wait_for_event(end)
     return start.elapsed_time(end) / 1e3
 
 
@@ -123,8 +139,8 @@ def agree_on_replays(op: CapturedOp, align: Callable[[], None], group: Any) -> i
     warm = _replay(op, MIN_REPLAYS) / MIN_REPLAYS
     wanted = max(MIN_REPLAYS, min(MAX_REPLAYS, GRAPH_SAMPLE_S / max(warm, 1e-7)))
     count = torch.tensor([2 ** round(math.log2(wanted))], dtype=torch.int64, device="cuda")
-    dist.broadcast(count, src=0, group=group)
-    return int(count.item())
+    dist.broadcast(count, group_src=0, group=group)
+    return int(host_list(count)[0])
 
 
 def time_graphs(op: CapturedOp, num_replays: int, num_samples: int, align: Callable[[], None]) -> float:
@@ -162,7 +178,7 @@ def kernel_breakdown(op: CapturedOp, num_replays: int, align: Callable[[], None]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(num_replays):
                 op.graphs[i % len(op.graphs)].replay()
-            torch.cuda.synchronize()
+            wait_for_stream()
         num_calls = num_replays * op.calls_per_graph
         totals: dict[str, float] = {}
         for event in prof.key_averages():
