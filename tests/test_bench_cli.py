@@ -162,7 +162,8 @@ def _graph_path_rank(rank: int, num_ranks: int, fp8: bool) -> dict:
 
     captured = []
 
-    def eager_capture(call, num_inputs, calls_per_graph):
+    def eager_capture(call, num_inputs, calls_per_graph, host_barrier):
+        host_barrier()
         captured.append((num_inputs, calls_per_graph))
         return EagerOp([None] * num_inputs, [[call(r) for _ in range(calls_per_graph)] for r in range(num_inputs)],
                        calls_per_graph)  # fmt: skip

@@ -120,7 +120,7 @@ def measure_rank(rank: int, num_ranks: int, settings: CalibrationSettings) -> di
                    for x, t, w in rotations]  # fmt: skip
         calls = calls_per_graph(num_tokens)
         for m in sms:
-            ops = capture_moe_ops(buffer, rotations, rows, handles, dict(base, num_sms=m), calls)
+            ops = capture_moe_ops(buffer, rotations, rows, handles, dict(base, num_sms=m), calls, group)
             try:
                 for op, captured in ops.items():
                     num_replays = agree_on_replays(captured, align, group)

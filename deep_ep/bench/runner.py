@@ -132,12 +132,12 @@ def _key_state(case: BenchCase, reference: Any, rank: int, num_ranks: int, confi
     return state
 
 
-def capture_moe_ops(buffer: Any, rotations: list, rows: list, handles: list, kwargs: dict,
-                    calls: int) -> dict[str, CapturedOp]:  # fmt: skip
+def capture_moe_ops(buffer: Any, rotations: list, rows: list, handles: list, kwargs: dict, calls: int,
+                    group: dist.ProcessGroup) -> dict[str, CapturedOp]:  # fmt: skip
     """CUDA graphs of a fresh dispatch without CPU sync, a cached dispatch (`handle=`) and a combine,
     one graph per input set `r`: `rotations[r]` = `(x, topk_idx, topk_weights)`, `rows[r]` the combine
     input, `handles[r]` a no-sync handle of `rotations[r]`; `kwargs` holds `num_experts`,
-    `num_max_tokens_per_rank` and `num_sms`."""
+    `num_max_tokens_per_rank` and `num_sms`. Collective over `group`."""
     num_sms = kwargs["num_sms"]
 
     def fresh(r: int) -> Any:
@@ -153,7 +153,7 @@ def capture_moe_ops(buffer: Any, rotations: list, rows: list, handles: list, kwa
     ops: dict[str, CapturedOp] = {}
     try:
         for name, call in (("dispatch", fresh), ("cached_dispatch", cached), ("combine", combine)):
-            ops[name] = capture(call, len(rotations), calls)
+            ops[name] = capture(call, len(rotations), calls, host_barrier=lambda: dist.barrier(group=group))
     except BaseException:
         for op in ops.values():
             op.release()
@@ -172,7 +172,7 @@ def _graph_times(case: BenchCase, ours: Any, state: KeyState, num_sms: int, conf
         for x, topk_idx, weights in rotations
     ]
     calls = calls_per_graph(case.num_tokens)
-    ops = capture_moe_ops(ours, rotations, state.rows, handles, kwargs, calls)
+    ops = capture_moe_ops(ours, rotations, state.rows, handles, kwargs, calls, group)
     try:
         what = f"T={case.num_tokens} {case.dtype} {case.routing} SMs={num_sms}, graph replay of"
         check_dispatch(ops["dispatch"].replay_first(), state.ref_out, state.num_recv, f"{what} a fresh dispatch")
@@ -201,7 +201,7 @@ def _kernel_breakdowns(case: BenchCase, ours: Any, rank: int, num_ranks: int, co
     rows = [random_rows(num_ranks * case.num_tokens, case.hidden, config.device, config.seed * 7 + r * 101 + rank)
             for r in range(len(rotations))]  # fmt: skip
     handles = [ours.dispatch(x, topk_idx=t, topk_weights=w, do_cpu_sync=False, **kwargs)[3] for x, t, w in rotations]
-    ops = capture_moe_ops(ours, rotations, rows, handles, kwargs, calls_per_graph(case.num_tokens))
+    ops = capture_moe_ops(ours, rotations, rows, handles, kwargs, calls_per_graph(case.num_tokens), group)
     try:
         return {name: kernel_breakdown(op, min(agree_on_replays(op, align, group), 16), align)
                 for name, op in ops.items()}  # fmt: skip

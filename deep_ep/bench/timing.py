@@ -89,19 +89,24 @@ def _capture_stream() -> torch.cuda.Stream:
     return torch.cuda.Stream() if current == torch.cuda.default_stream() else current
 
 
-def capture(call: Callable[[int], Any], num_inputs: int, calls_per_graph: int) -> CapturedOp:
+def capture(call: Callable[[int], Any], num_inputs: int, calls_per_graph: int,
+            host_barrier: Callable[[], None] = lambda: None) -> CapturedOp:  # fmt: skip
     """Capture `call(r)` for every input set `r` (collective: every rank captures the same calls).
 
     One warm-up call runs first, outside capture: kernels load and the allocator settles. Each graph
     is captured on a stream other than the default one. Host waits poll (`deep_ep.host_reads`), and
     capture does not synchronize the device nor empty the allocator's cache as `torch.cuda.graph`
-    does: with virtual ranks either would wait for, or take memory from, another rank's work.
+    does: with virtual ranks either would wait for, or take memory from, another rank's work. For
+    the same reason the ranks capture between two `host_barrier()` calls (a barrier without device
+    work, e.g. `dist.barrier`): a capture allocates its graph's memory (`cudaMalloc`, which waits for
+    the device), so no rank may have a kernel running that waits for a rank still capturing.
     """
     side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         call(0)
     wait_for_stream(side)
+    host_barrier()
     graphs, outputs = [], []
     for r in range(num_inputs):
         graph = torch.cuda.CUDAGraph()
@@ -115,6 +120,7 @@ def capture(call: Callable[[int], Any], num_inputs: int, calls_per_graph: int) -
         graphs.append(graph)
     torch.cuda.current_stream().wait_stream(side)
     wait_for_stream(side)
+    host_barrier()
     return CapturedOp(graphs, outputs, calls_per_graph)
 
 

@@ -117,6 +117,9 @@ def _graph_case(rank: int, group: dist.ProcessGroup, kbuf, rbuf, dtype: str, do_
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
         fresh, cached, combined = ops()
+    # Capturing allocates the graph's memory (cudaMalloc waits for the device): no replay may run
+    # (and wait for a peer) before every rank has captured
+    dist.barrier(group=group)
     for replay in range(num_replays):
         new_x, new_topk, new_w, new_bias = inputs(seed + 10 + replay)
         new_x2 = inputs(seed + 50 + replay)[0]
@@ -274,6 +277,7 @@ def _captured_sequence(rank: int, group: dist.ProcessGroup, num_tokens: int, dty
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
         out = _no_sync_sequence(buf, x, topk_idx, weights, num_experts)
+    dist.barrier(group=group)  # every rank has captured (and allocated) before any replays
     return buf, topk_idx, graph, out
 
 
