@@ -470,6 +470,7 @@ def _late_peer_rank(rank: int, group: dist.ProcessGroup, seed: int) -> float:
     from kernel_checks import check_dispatch, make_inputs
 
     import deep_ep
+    from deep_ep.host_reads import wait_for_stream
 
     def make(backend: str):
         return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2560, num_topk=8, backend=backend,
@@ -479,6 +480,9 @@ def _late_peer_rank(rank: int, group: dist.ProcessGroup, seed: int) -> float:
     x, topk_idx, weights, _ = make_inputs(rank, group.size(), 100, 2560, "bf16", 8 * group.size(), 8, "uniform", 0.1,
                                           0, seed, "cuda")  # fmt: skip
     args = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=8 * group.size(), do_cpu_sync=False)
+    kbuf.dispatch(x, **args)  # every kernel loaded
+    rbuf.dispatch(x, **args)
+    wait_for_stream()
     dist.barrier(group=group)
     started = time.monotonic()
     if rank == 1:
