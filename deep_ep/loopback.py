@@ -377,7 +377,7 @@ class _GreenContexts:
 class _Pool:
     """What ended worlds leave for the next: streams and green contexts are never destroyed, because
     tensors that outlive a world may still name its streams (torch's allocator records an event on
-    every stream a freed tensor was used on, and one on a destroyed stream crashes the process)."""
+    every stream a freed tensor was used on, and a destroyed stream's handle is undefined behaviour)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

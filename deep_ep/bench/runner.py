@@ -2,8 +2,9 @@
 
 Runs on whatever is present: all local GPUs with the NVLink kernels; with one GPU, virtual ranks on
 it (`deep_ep.loopback`: the same kernels, every window in one GPU's memory, so times show the
-kernels' own cost, not NVLink); or 2 CPU ranks (gloo) with the reference backend. Every case is checked bitwise against `deep_ep.reference` before it is timed
-(on GPUs also the first replay of every captured graph). Per case, on GPUs:
+kernels' own cost, not NVLink); or 2 CPU ranks (gloo) with the reference backend. Every case is
+checked bitwise against `deep_ep.reference` before it is timed (on GPUs also the first replay of
+every captured graph). Per case, on GPUs:
 
 - eager: a dispatch with CPU sync (exact shapes), then a combine of its handle; medians over
   barrier-aligned iterations with CUDA events, inputs rotated (`timing.time_eager`);

@@ -98,8 +98,8 @@ def capture(call: Callable[[int], Any], num_inputs: int, calls_per_graph: int,
     capture does not synchronize the device nor empty the allocator's cache as `torch.cuda.graph`
     does: with virtual ranks either would wait for, or take memory from, another rank's work. For
     the same reason the ranks capture between two `host_barrier()` calls (a barrier without device
-    work, e.g. `dist.barrier`): a capture allocates its graph's memory (`cudaMalloc`, which waits for
-    the device), so no rank may have a kernel running that waits for a rank still capturing.
+    work, e.g. `dist.barrier`): a capture allocates its graph's memory (`cudaMalloc`, which can wait
+    for the device), so no rank may have a kernel running that waits for a rank still capturing.
     """
     side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())

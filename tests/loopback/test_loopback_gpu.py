@@ -117,7 +117,7 @@ def _graph_case(rank: int, group: dist.ProcessGroup, kbuf, rbuf, dtype: str, do_
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
         fresh, cached, combined = ops()
-    # Capturing allocates the graph's memory (cudaMalloc waits for the device): no replay may run
+    # Capturing allocates the graph's memory (a cudaMalloc can wait for the device): no replay may run
     # (and wait for a peer) before every rank has captured
     dist.barrier(group=group)
     for replay in range(num_replays):
