@@ -353,9 +353,9 @@ def register_bench(subparsers: Any) -> None:
         "bench",
         help="time dispatch/combine against torch all_to_all_single and the NVLink speed of light",
         description="GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
-        "one GPU: the same kernels on virtual ranks sharing it (deep_ep.loopback; the times show the kernels' own "
-        "cost, not NVLink); no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are checked against "
-        "deep_ep.reference before they are timed. On GPUs every case is timed eagerly (dispatch with CPU sync, "
+        "one GPU: the same kernels on virtual ranks sharing it (deep_ep.loopback; the times show the kernels' "
+        "own cost, not NVLink); no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are "
+        "checked against deep_ep.reference before they are timed. On GPUs every case is timed eagerly (dispatch with CPU sync, "
         "then combine) and, from CUDA-graph replays, as device time of a fresh no-sync dispatch, a cached "
         "dispatch and a combine. Each (dtype, routing, tokens) runs the planner's SM pick plus the --sms sweep.",
     )
@@ -414,9 +414,6 @@ def register_calibrate(subparsers: Any) -> None:
     parser.add_argument("--out", default=None, metavar="FILE",
                         help="where to write the document (default: the package's deep_ep/data/hopper.json)")  # fmt: skip
     parser.add_argument("--refit", default=None, metavar="FILE", help="refit the measurements of this document")
-    parser.add_argument("--ranks", type=int, default=None,
-                        help="ranks: virtual ranks on a machine with one GPU (default 4), at most the GPUs "
-                             "on a machine with several (default all), CPU ranks without GPUs (default 2)")  # fmt: skip
     parser.add_argument("--tokens", type=_int_list, default=None, help="tokens per rank (default 8192,4096,1024,128)")
     parser.add_argument("--sms", type=_int_list, default=None, help="SM counts (default 2..96; all SMs are added)")
     parser.add_argument("--samples", type=int, default=None, help="graph-replay samples per point (default 5)")

@@ -411,7 +411,8 @@ def write_json(path: str, rows: list[dict], found: dict, meta: dict, config: Ben
     document = dict(
         commit=git_commit(), command=command or " ".join(sys.argv), hardware=hardware, date=utc_now(),
         num_ranks=config.num_ranks, virtual_ranks=config.virtual_ranks,
-        virtual_ranks_note=VIRTUAL_RANKS_NOTE if config.virtual_ranks else None, torch=torch.__version__, seed=config.seed, num_iters=config.num_iters, num_warmups=config.num_warmups,
+        virtual_ranks_note=VIRTUAL_RANKS_NOTE if config.virtual_ranks else None,
+        torch=torch.__version__, seed=config.seed, num_iters=config.num_iters, num_warmups=config.num_warmups,
         num_rotations=config.num_rotations, num_graph_rotations=config.num_graph_rotations,
         num_graph_samples=config.num_graph_samples,
         hot_fraction=config.hot_fraction, speed_of_light_gbs=meta.get("speed_of_light_gbs"),
