@@ -1,4 +1,4 @@
-"""Host reads of device values that never wait inside the CUDA driver.
+"""Host waits and host reads of device values that never block inside the CUDA driver.
 
 A copy from the device into pageable host memory (`.tolist()`, `.item()`, `.cpu()` of a CUDA tensor)
 waits inside the driver for the work queued before it on its stream, and while it waits, CUDA calls of
@@ -19,18 +19,27 @@ import torch
 _SPIN_S = 2e-3
 
 
-def wait_for_event(event: torch.cuda.Event) -> None:
-    """`event.synchronize()` by polling (device waits have deadlines, so the event always completes)."""
+def wait_for_event(event: torch.cuda.Event, timeout_s: float | None = None, spin_s: float = _SPIN_S) -> bool:
+    """`event.synchronize()` by polling: busy (yielding the interpreter) for `spin_s`, then in short
+    sleeps. Returns False once `timeout_s` has passed; without one it waits for good (device waits
+    have deadlines, so the event completes)."""
     started = time.monotonic()
     while not event.query():
-        time.sleep(0 if time.monotonic() - started < _SPIN_S else 1e-4)
+        elapsed = time.monotonic() - started
+        if timeout_s is not None and elapsed > timeout_s:
+            return False
+        time.sleep(0 if elapsed < spin_s else 1e-4)
+    return True
 
 
-def wait_for_stream(stream: torch.cuda.Stream | None = None) -> None:
-    """Return once everything queued so far on `stream` (default: the current stream) has run."""
+def wait_for_stream(
+    stream: torch.cuda.Stream | None = None, timeout_s: float | None = None, spin_s: float = _SPIN_S
+) -> bool:
+    """Wait until everything queued so far on `stream` (default: the current stream) has run; the
+    polling and the result as in `wait_for_event`."""
     event = torch.cuda.Event()
     event.record(stream if stream is not None else torch.cuda.current_stream())
-    wait_for_event(event)
+    return wait_for_event(event, timeout_s, spin_s)
 
 
 def host_list(tensor: torch.Tensor) -> list:

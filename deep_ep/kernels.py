@@ -208,6 +208,7 @@ def nccl_peer_pointers_spec() -> KernelSpec:
     return _spec("nccl_peer_pointers", (32,), ("ncclWindow_t", "int", "uint64_t*"), use_nccl=True)
 
 
+@functools.cache
 def op_hash(kind: str, num_max_tokens_per_rank: int, slot_bytes: int, num_topk: int) -> int:
     """What an operation is, for the signature every rank checks against its peers' (arrivals.cuh):
     `kind` (`'dispatch'` or `'combine'`) and the sizes that place its slots."""

@@ -22,7 +22,6 @@ marks the buffer dead (`dead_reason`) instead of letting a retry run at the same
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,6 +30,7 @@ import torch
 
 from . import kernels
 from .errors import EPError, EPOperationMismatchError, EPTimeoutError
+from .host_reads import wait_for_stream
 from .jit import I32, U64, Opaque
 from .layout import (
     DISPATCH_SCRATCH_INTS,
@@ -253,18 +253,10 @@ class NvlinkRuntime:
         Busy-polls first: a sleep costs at least a scheduler tick (milliseconds in a VM), far more
         than a dispatch; only waits longer than `_SPIN_S` back off to short sleeps.
         """
-        event = torch.cuda.Event()
-        event.record(stream)
-        started = time.monotonic()
-        deadline = started + self.cpu_timeout_s
-        while not event.query():
-            now = time.monotonic()
-            if now > deadline:
-                self.dead_reason = f"host wait for {what} on rank {self.rank} passed {self.cpu_timeout_s:g} s"
-                self._dead_error = EPTimeoutError
-                raise EPTimeoutError(self.dead_reason)
-            if now - started > _SPIN_S:
-                time.sleep(1e-4)
+        if not wait_for_stream(stream, timeout_s=self.cpu_timeout_s, spin_s=_SPIN_S):
+            self.dead_reason = f"host wait for {what} on rank {self.rank} passed {self.cpu_timeout_s:g} s"
+            self._dead_error = EPTimeoutError
+            raise EPTimeoutError(self.dead_reason)
         self.check_error()
 
     # ---------------------------------------------------------------- grids

@@ -40,3 +40,14 @@ def jit_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "jit-cache"
     monkeypatch.setenv("EP_JIT_CACHE_DIR", str(path))
     return path
+
+
+@pytest.fixture
+def sm90a_checked_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Compile for sm_90a with ptxas checks (no local memory, no spills: EP_JIT_PTXAS_CHECK) into one
+    cache folder that every compile test of the session shares (a kernel is compiled once)."""
+    path = tmp_path_factory.getbasetemp() / "jit-sm90a-checked"
+    monkeypatch.setenv("EP_JIT_ARCH", "sm_90a")
+    monkeypatch.setenv("EP_JIT_PTXAS_CHECK", "1")
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(path))
+    return path

@@ -12,12 +12,7 @@ from deep_ep.jit import KernelSpec, compile_spec
 
 from deep_ep import kernels
 
-
-@pytest.fixture(autouse=True)
-def _sm90a_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("EP_JIT_ARCH", "sm_90a")
-    monkeypatch.setenv("EP_JIT_PTXAS_CHECK", "1")
-    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "jit-kernels"))
+pytestmark = pytest.mark.usefixtures("sm90a_checked_cache")
 
 
 def test_warmup_specs_compile_without_spills():

@@ -7,12 +7,7 @@ import pytest
 from deep_ep.jit import compile_many
 from sweep import SHAPES, kernel_specs
 
-
-@pytest.fixture(autouse=True)
-def _sm90a_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("EP_JIT_ARCH", "sm_90a")
-    monkeypatch.setenv("EP_JIT_PTXAS_CHECK", "1")
-    monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "jit-loopback"))
+pytestmark = pytest.mark.usefixtures("sm90a_checked_cache")
 
 
 def test_every_kernel_of_the_virtual_rank_sweep_compiles():

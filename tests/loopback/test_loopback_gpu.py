@@ -40,6 +40,25 @@ def _compile(specs: list) -> None:
     compile_many(specs)
 
 
+def _error_of(call, error_type: type[BaseException] | tuple) -> str | None:
+    """The text of the `error_type` that `call()` raises, or `None` when it returns."""
+    try:
+        call()
+    except error_type as error:
+        return str(error)
+    return None
+
+
+def _run_guarded(num_ranks: int, fn, *args) -> tuple[list, list[str]]:
+    """`fn` on a world with guard bytes around every window and output: the ranks' results, and
+    what wrote outside them (`LoopbackWorld.check_guards`)."""
+    world = LoopbackWorld(num_ranks, guard_bytes=64 << 10)
+    outcomes = world.run(fn, *args)
+    damaged = world.check_guards()
+    world.close()
+    return outcomes, damaged
+
+
 # ---------------------------------------------------------------------------- the sweep
 
 
@@ -200,20 +219,15 @@ def _skip_rank(rank: int, group: dist.ProcessGroup, skipper: int) -> dict:
     if rank == skipper:
         # Skip one sequence; the next call finds the failure that the peers posted
         time.sleep(3 * FAULT_TIMEOUT_S)
-        try:
-            buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
-            outcome["error"] = None
-        except deep_ep.EPTimeoutError as error:
-            outcome["error"] = str(error)
+        outcome["error"] = _error_of(
+            lambda: buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts),
+            deep_ep.EPTimeoutError,
+        )
     else:
         _no_sync_sequence(buf, x, topk_idx, weights, num_experts)
         torch.cuda.current_stream().synchronize()
         outcome["stopped_s"] = time.monotonic() - started
-        try:
-            buf.barrier()
-            outcome["error"] = None
-        except deep_ep.EPTimeoutError as error:
-            outcome["error"] = str(error)
+        outcome["error"] = _error_of(buf.barrier, deep_ep.EPTimeoutError)
         outcome["raised_s"] = time.monotonic() - started
         try:
             buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
@@ -239,10 +253,7 @@ def _round_trip_rank(rank: int, group: dist.ProcessGroup, seed: int) -> bool:
 @pytest.mark.parametrize("num_ranks", [4, 16])
 def test_a_rank_that_skips_a_call_stops_every_rank_within_one_deadline(num_ranks):
     skipper = num_ranks - 1
-    world = LoopbackWorld(num_ranks, guard_bytes=64 << 10)
-    outcomes = world.run(_skip_rank, skipper)
-    damaged = world.check_guards()
-    world.close()
+    outcomes, damaged = _run_guarded(num_ranks, _skip_rank, skipper)
     for rank, outcome in enumerate(outcomes):
         assert outcome["error"] is not None, f"rank {rank} did not raise: {outcome}"
         if rank == skipper:
@@ -295,11 +306,7 @@ def _graph_fault_rank(rank: int, group: dist.ProcessGroup, skipper: int) -> dict
         torch.cuda.current_stream().synchronize()
     else:
         time.sleep(3 * FAULT_TIMEOUT_S)
-    try:
-        buf.barrier()
-        outcome["error"] = None
-    except deep_ep.EPTimeoutError as error:
-        outcome["error"] = str(error)
+    outcome["error"] = _error_of(buf.barrier, deep_ep.EPTimeoutError)
     outcome["raised_s"] = time.monotonic() - started
     del graph
     buf.destroy()
@@ -308,10 +315,7 @@ def _graph_fault_rank(rank: int, group: dist.ProcessGroup, skipper: int) -> dict
 
 def test_a_failure_inside_a_graph_replay_stops_every_rank_and_writes_nothing_outside():
     num_ranks, skipper = 4, 2
-    world = LoopbackWorld(num_ranks, guard_bytes=64 << 10)
-    outcomes = world.run(_graph_fault_rank, skipper)
-    damaged = world.check_guards()
-    world.close()
+    outcomes, damaged = _run_guarded(num_ranks, _graph_fault_rank, skipper)
     for rank, outcome in enumerate(outcomes):
         assert outcome["error"] is not None, f"rank {rank} did not raise: {outcome}"
         assert f"rank {skipper}" in outcome["error"], outcome
@@ -333,11 +337,7 @@ def _bad_routing_rank(rank: int, group: dist.ProcessGroup, bad_rank: int) -> dic
     graph.replay()
     torch.cuda.current_stream().synchronize()
     outcome: dict = {"dst_slots": out[3].dst_buffer_slot_idx.unique().tolist() if rank == bad_rank else None}
-    try:
-        buf.barrier()
-        outcome["error"] = None
-    except ValueError as error:
-        outcome["error"] = str(error)
+    outcome["error"] = _error_of(buf.barrier, ValueError)
     del graph
     # The same buffer still works: a dispatch and a combine against the reference
     reference = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2048, num_topk=8,
@@ -356,10 +356,7 @@ def _bad_routing_rank(rank: int, group: dist.ProcessGroup, bad_rank: int) -> dic
 
 def test_invalid_routing_inside_a_graph_sends_nothing_and_raises_at_the_next_call():
     num_ranks, bad_rank = 4, 1
-    world = LoopbackWorld(num_ranks, guard_bytes=64 << 10)
-    outcomes = world.run(_bad_routing_rank, bad_rank)
-    damaged = world.check_guards()
-    world.close()
+    outcomes, damaged = _run_guarded(num_ranks, _bad_routing_rank, bad_rank)
     bad = outcomes[bad_rank]
     assert bad["dst_slots"] == [-1], bad
     assert bad["error"] is not None and "at [17, 2]" in bad["error"] and f"got {8 * num_ranks + 5}" in bad["error"], bad
@@ -414,10 +411,7 @@ def _between_launches_rank(rank: int, group: dist.ProcessGroup) -> dict:
 
 
 def test_an_exception_between_two_launches_makes_the_buffer_unusable():
-    world = LoopbackWorld(2, guard_bytes=64 << 10)
-    outcomes = world.run(_between_launches_rank)
-    damaged = world.check_guards()
-    world.close()
+    outcomes, damaged = _run_guarded(2, _between_launches_rank)
     assert outcomes[0]["first"] == "OutOfMemoryError"
     assert "unusable" in outcomes[0]["retry"], outcomes
     assert "timed out" in outcomes[1]["retry"] or "unusable" in outcomes[1]["retry"], outcomes
