@@ -28,10 +28,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..host_reads import wait_for_stream
 from ..utils.spawn import spawn_ranks
 from . import report
 from .cases import BenchCase, BenchConfig, make_inputs, payload_bytes, random_rows, records_per_rank
-from .timing import CapturedOp, agree_on_replays, capture, kernel_breakdown, time_eager, time_graphs
+from .timing import (
+    CapturedOp,
+    agree_on_replays,
+    capture,
+    kernel_breakdown,
+    release_captured,
+    time_eager,
+    time_graphs,
+)
 from .torch_path import torch_combine, torch_dispatch
 
 
@@ -184,9 +193,11 @@ def _graph_times(case: BenchCase, ours: Any, state: KeyState, num_sms: int, conf
         for name, op in ops.items():
             num_replays = agree_on_replays(op, align, group)
             times[name] = time_graphs(op, num_replays, config.num_graph_samples, align) * 1e6
-    finally:
+    except BaseException:
         for op in ops.values():
             op.release()
+        raise
+    release_captured(list(ops.values()), lambda: dist.barrier(group=group))
     return dict(graph_dispatch_us=times["dispatch"], graph_cached_dispatch_us=times["cached_dispatch"],
                 graph_combine_us=times["combine"], graph_calls_per_replay=calls, graph_checked=True)  # fmt: skip
 
@@ -204,11 +215,14 @@ def _kernel_breakdowns(case: BenchCase, ours: Any, rank: int, num_ranks: int, co
     handles = [ours.dispatch(x, topk_idx=t, topk_weights=w, do_cpu_sync=False, **kwargs)[3] for x, t, w in rotations]
     ops = capture_moe_ops(ours, rotations, rows, handles, kwargs, calls_per_graph(case.num_tokens), group)
     try:
-        return {name: kernel_breakdown(op, min(agree_on_replays(op, align, group), 16), align)
-                for name, op in ops.items()}  # fmt: skip
-    finally:
+        breakdowns = {name: kernel_breakdown(op, min(agree_on_replays(op, align, group), 16), align)
+                      for name, op in ops.items()}  # fmt: skip
+    except BaseException:
         for op in ops.values():
             op.release()
+        raise
+    release_captured(list(ops.values()), lambda: dist.barrier(group=group))
+    return breakdowns
 
 
 def _bench_case(case: BenchCase, ours: Any, state: KeyState, rank: int, num_ranks: int, config: BenchConfig,
@@ -275,7 +289,8 @@ def _prediction(case: BenchCase, num_sms: int, num_ranks: int, device: str, virt
 # ------------------------------------------------------------------------------------------ per rank
 
 
-def _speed_of_light(buffer: Any, sms: list[int], config: BenchConfig, align: Callable[[], None]) -> dict[int, float]:
+def _speed_of_light(buffer: Any, sms: list[int], config: BenchConfig, align: Callable[[], None],
+                    host_barrier: Callable[[], None]) -> dict[int, float]:  # fmt: skip
     """GB/s per direction of our peer-store probe on each SM count, every rank writing at once."""
     from ..nvlink import peer_store
 
@@ -284,6 +299,9 @@ def _speed_of_light(buffer: Any, sms: list[int], config: BenchConfig, align: Cal
     if config.virtual_ranks:  # every rank writes into one GPU's memory: about 2 GiB per iteration in all
         num_bytes = min(num_bytes, (2 << 30) // (runtime.num_ranks * (runtime.num_ranks - 1)) // 16 * 16)
     sources = [torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    # Every rank allocates before any rank's barrier kernel waits (an allocation can wait for the device)
+    wait_for_stream()
+    host_barrier()
     result = {}
     for num_sms in sms:
         seconds = time_eager(lambda src, m=num_sms: peer_store(runtime, torch.cuda.current_stream(), src, m),
@@ -343,7 +361,7 @@ def bench_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> dict
         if device == "cuda" and config.speed_of_light and backend_name == "NvlinkBackend" and buffer_key == largest:
             num_device_sms = ours.backend.runtime.num_device_sms
             sms = sorted({min(c.num_sms, num_device_sms) for c in config.cases if c.num_sms} | {num_device_sms})
-            by_sms = _speed_of_light(ours, sms, config, align)
+            by_sms = _speed_of_light(ours, sms, config, align, lambda: dist.barrier(group=group))
             meta.update(speed_of_light_gbs=by_sms[num_device_sms], speed_of_light_by_sms=by_sms,
                         num_device_sms=num_device_sms)  # fmt: skip
             _progress(rank, f"speed of light (peer stores, {num_device_sms} SMs): {by_sms[num_device_sms]:.1f} GB/s")

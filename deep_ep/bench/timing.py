@@ -81,6 +81,18 @@ class CapturedOp:
         self.outputs.clear()
 
 
+def release_captured(ops: Sequence[CapturedOp], host_barrier: Callable[[], None]) -> None:
+    """Release `ops` on every rank at once (collective), between two `host_barrier()` calls after
+    this rank's stream has drained: destroying a graph and its memory pool can wait for the device,
+    so, as in `capture`, no rank may then have a kernel running that waits for a rank still
+    releasing (with virtual ranks that wait would last until the kernel's deadline)."""
+    wait_for_stream()
+    host_barrier()
+    for op in ops:
+        op.release()
+    host_barrier()
+
+
 def _capture_stream() -> torch.cuda.Stream:
     """The current stream, unless it is the default stream (which cannot capture): then a new one.
     Virtual ranks (`deep_ep.loopback`) run on streams of their own, and one from torch's pool could
