@@ -86,7 +86,8 @@ def release_captured(ops: Sequence[CapturedOp], host_barrier: Callable[[], None]
     this rank's stream has drained: destroying a graph and its memory pool can wait for the device,
     so, as in `capture`, no rank may then have a kernel running that waits for a rank still
     releasing (with virtual ranks that wait would last until the kernel's deadline)."""
-    wait_for_stream()
+    if torch.cuda.is_initialized():  # else no stream has work to drain
+        wait_for_stream()
     host_barrier()
     for op in ops:
         op.release()
