@@ -35,3 +35,12 @@ def test_a_variant_differs_from_the_checkout_by_its_edits_only(tmp_path):
 def test_an_edit_that_no_longer_matches_is_refused():
     with pytest.raises(ValueError, match="occurs 0 times"):
         check_edits((Edit("include/deep_ep/common/ptx.cuh", "no such text in the header", ""),))
+
+
+def test_the_ab_reads_graph_times_of_the_planner_picks_from_a_bench_result():
+    from variants import _graph_times
+
+    times = _graph_times(ROOT / "bench" / "results" / "2026-12-01-h200-virtual4-bench.json")
+    assert set(times) == {f"T={t} {d} {op}" for t in (4096, 128) for d in ("fp8", "bf16")
+                          for op in ("fresh", "cached", "combine")}  # fmt: skip
+    assert all(value > 0 for value in times.values())

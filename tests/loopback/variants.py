@@ -13,7 +13,7 @@ one GPU with virtual ranks:
 Usage, from the repository root on a GPU machine (writes under OUT, default bench/results/latest):
 
     python tests/loopback/variants.py knockouts [NAME ...]
-    python tests/loopback/variants.py ordering-ab [--rounds 3]
+    python tests/loopback/variants.py ordering-ab [--rounds 3] [--tokens 4096,128] [--each]
 
 Every edit must match its file exactly once (`tests/loopback/test_variants_cpu.py` checks that on
 CPU, so a variant cannot silently stop reverting anything).
@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -140,7 +141,10 @@ ORDERING_REVERT = (
     ),
 )
 
-ORDERING_AB_BENCH = ["bench", "--ranks", "4", "--tokens", "4096,128", "--dtype", "fp8,bf16"]
+ORDERING_EDIT_NAMES = ("window-loads-nc", "grid-barrier-fence", "epilogue-fence", "task-queue-fences")
+
+# The A/B runs this bench (its cases are the planner's picks), with --tokens appended
+ORDERING_AB_BENCH = ["bench", "--ranks", "4", "--dtype", "fp8,bf16"]
 
 
 # What a variant does not copy: version control, environments, caches and results
@@ -210,10 +214,11 @@ def run_knockouts(names: list[str], out: Path, timeout_s: float) -> list[dict]:
 
 
 def _failure_summary(output: str) -> str:
-    """The assertion or error lines of a pytest run (the first few), for the summary."""
-    lines = [line.strip() for line in output.splitlines()
-             if line.startswith("E ") or "Error:" in line or " passed" in line or " failed" in line]  # fmt: skip
-    return " | ".join(dict.fromkeys(lines[:6]))[:600]
+    """What a pytest run ended with: its last exception or assertion lines and its count line."""
+    ends = [line.strip() for line in output.splitlines()
+            if re.match(r"E\s+(assert\b|AssertionError|([\w.]+\.)?\w*(Error|Exception)\b)", line)]  # fmt: skip
+    counts = [line.strip("= ") for line in output.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    return " | ".join(dict.fromkeys(ends[-3:] + counts[-1:]))[:800]
 
 
 def _hardware() -> str:
@@ -224,56 +229,73 @@ def _hardware() -> str:
 
 def _graph_times(path: Path) -> dict[str, float]:
     """`{"T=4096 fp8 fresh": us, ...}` of the planner's picks in one bench JSON."""
-    rows = json.loads(path.read_text())["rows"]
+    rows = json.loads(path.read_text())["results"]
     times = {}
     for row in rows:
         if row["num_sms_source"] != "planner":
             continue
         case = row["case"]
-        label = f"T={case['num_tokens']} {case['dtype']}"
+        label = f"T={case['num_tokens']} {'fp8' if case['fp8_dispatch'] else 'bf16'}"
         for op, key in (("fresh", "graph_dispatch_us"), ("cached", "graph_cached_dispatch_us"),
                         ("combine", "graph_combine_us")):  # fmt: skip
             times[f"{label} {op}"] = row[key]
     return times
 
 
-def run_ordering_ab(rounds: int, out: Path, timeout_s: float) -> dict:
-    """`deep-ep bench` alternating between the checkout (A) and the ordering-reverted variant (B);
-    the cost of the ordering changes is median(A) / median(B) - 1 per case and operation."""
+def ordering_variants(each: bool) -> dict[str, tuple[Edit, ...]]:
+    """The B sides of the A/B: every ordering change reverted, and with `each` one change at a time."""
+    variants = {"all-reverted": ORDERING_REVERT}
+    if each:
+        variants.update({name: (edit,) for name, edit in zip(ORDERING_EDIT_NAMES, ORDERING_REVERT, strict=True)})
+    return variants
+
+
+def run_ordering_ab(rounds: int, tokens: str, each: bool, out: Path, timeout_s: float) -> dict:
+    """`deep-ep bench` on the checkout ("checkout") and on each ordering variant, the order rotated
+    every round; the cost of a change is median(checkout) / median(variant) - 1 per case and
+    operation. Writes out/ordering-ab.json (and the log of a failed run)."""
     commit = _commit()
-    runs: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+    variants = ordering_variants(each)
+    bench = [*ORDERING_AB_BENCH, "--tokens", tokens]
+    names = ["checkout", *variants]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="ep-ordering-") as tmp:
-        trees = {"A": ROOT, "B": make_variant(ORDERING_REVERT, Path(tmp))}
+        trees = {"checkout": ROOT} | {name: make_variant(edits, Path(tmp) / name) for name, edits in variants.items()}
         for round_idx in range(rounds):
-            for name in ("A", "B") if round_idx % 2 == 0 else ("B", "A"):
-                path = out / f"ordering-{name}-{round_idx}.json"
-                command = [sys.executable, "-m", "deep_ep.cli", *ORDERING_AB_BENCH, "--json", str(path)]
-                label = commit if name == "A" else f"{commit}+ordering-reverted"
-                done = subprocess.run(command, cwd=trees[name], env=_env(trees[name], label), capture_output=True,
-                                      text=True, timeout=timeout_s)  # fmt: skip
-                (out / f"ordering-{name}-{round_idx}.log").write_text(done.stdout + done.stderr)
+            shift = round_idx % len(names)
+            for name in names[shift:] + names[:shift]:
+                path = Path(tmp) / f"{name}-{round_idx}.json"
+                label = commit if name == "checkout" else f"{commit}+{name}"
+                done = subprocess.run([sys.executable, "-m", "deep_ep.cli", *bench, "--json", str(path)],
+                                      cwd=trees[name], env=_env(trees[name], label), capture_output=True, text=True,
+                                      timeout=timeout_s)  # fmt: skip
                 if done.returncode != 0:
+                    (out / f"ordering-{name}-{round_idx}.log").write_text(done.stdout + done.stderr)
                     raise RuntimeError(
                         f"bench {name} round {round_idx} exited {done.returncode}: {done.stderr[-2000:]}"
                     )
                 runs[name].append(_graph_times(path))
                 print(f"round {round_idx} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[name][-1].items()),
                       flush=True)  # fmt: skip
-    cost = {}
-    for key in runs["A"][0]:
-        a = statistics.median(r[key] for r in runs["A"])
-        b = statistics.median(r[key] for r in runs["B"])
-        cost[key] = dict(with_ordering_us=a, reverted_us=b, cost_percent=100 * (a / b - 1))
+    cost: dict[str, dict] = {}
+    for name in variants:
+        cost[name] = {}
+        for key in runs["checkout"][0]:
+            a = statistics.median(r[key] for r in runs["checkout"])
+            b = statistics.median(r[key] for r in runs[name])
+            cost[name][key] = dict(checkout_us=a, variant_us=b, cost_percent=100 * (a / b - 1))
+        mean = statistics.fmean(v["cost_percent"] for v in cost[name].values())
+        print(f"{name}: the checkout is {mean:+.2f}% slower on average; " +
+              ", ".join(f"{k} {v['cost_percent']:+.1f}%" for k, v in cost[name].items()))  # fmt: skip
     document = dict(commit=commit, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    command=f"python tests/loopback/variants.py ordering-ab --rounds {rounds}",
-                    bench_command="deep-ep " + " ".join(ORDERING_AB_BENCH), hardware=_hardware(),
-                    note="CUDA-graph device time per call on 4 virtual ranks of one GPU; A = the checkout, "
-                         "B = the same with ORDERING_REVERT applied; medians over the rounds",
+                    command=f"python tests/loopback/variants.py ordering-ab --rounds {rounds} --tokens {tokens}"
+                            + (" --each" if each else ""),
+                    bench_command="deep-ep " + " ".join(bench), hardware=_hardware(),
+                    note="CUDA-graph device time per call (us) of the planner's picks on 4 virtual ranks of one GPU; "
+                         "checkout = the code as committed, a variant = the checkout with the named ordering "
+                         "changes reverted (ORDERING_REVERT); cost = median over rounds, checkout / variant - 1",
                     runs=runs, cost=cost)  # fmt: skip
     (out / "ordering-ab.json").write_text(json.dumps(document, indent=2) + "\n")
-    for key, value in cost.items():
-        print(f"{key}: {value['with_ordering_us']:.1f} us vs {value['reverted_us']:.1f} us reverted "
-              f"({value['cost_percent']:+.2f}%)")  # fmt: skip
     return document
 
 
@@ -285,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     knock.add_argument("--timeout", type=float, default=240.0, help="seconds per test")
     ab = sub.add_parser("ordering-ab", help="bench the checkout against the ordering-reverted variant")
     ab.add_argument("--rounds", type=int, default=3)
+    ab.add_argument("--tokens", default="4096,128", help="the bench's --tokens")
+    ab.add_argument("--each", action="store_true", help="also one variant per ordering change")
     ab.add_argument("--timeout", type=float, default=150.0, help="seconds per bench run")
     args = parser.parse_args(argv)
     out = Path(os.environ.get("OUT", ROOT / "bench" / "results" / "latest"))
@@ -292,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "knockouts":
         results = run_knockouts(args.names, out, args.timeout)
         return 0 if all(r["failed_as_expected"] for r in results) else 1
-    run_ordering_ab(args.rounds, out, args.timeout)
+    run_ordering_ab(args.rounds, args.tokens, args.each, out, args.timeout)
     return 0
 
 
