@@ -111,8 +111,9 @@ KNOCKOUTS = (
     ),
 )
 
-# The ordering changes of 23 #4, taken back: window data through the non-coherent path again, and
-# no acquire fence in the last arriver of the grid barrier, of the epilogues and of the task queues
+# The ordering changes of 23 #4, taken back to the code before them: window data through the
+# non-coherent path, and `__threadfence(); atomicAdd` in the last-arriver patterns of the grid
+# barrier, the epilogues and the task queues (no acquire in the last arriver)
 ORDERING_REVERT = (
     Edit(
         "include/deep_ep/common/ptx.cuh",
@@ -123,25 +124,22 @@ ORDERING_REVERT = (
     ),
     Edit(
         "include/deep_ep/common/comm.cuh",
-        "            // Acquire the other CTAs' writes (their fences came before their adds) before releasing them all\n"
-        "            __threadfence();\n",
-        "",
+        "        if (atomic_add_acq_rel_gpu(arrive, 1) == static_cast<int>(gridDim.x) - 1) {\n",
+        "        __threadfence();\n        if (atomicAdd(arrive, 1) == static_cast<int>(gridDim.x) - 1) {\n",
     ),
     Edit(
         "include/deep_ep/common/credits.cuh",
-        "            __threadfence();  // and the other CTAs' reads (fenced before their adds) before ours\n",
-        "",
+        "        is_last = atomic_add_acq_rel_gpu(done, 1) == static_cast<int>(gridDim.x) - 1;\n",
+        "        __threadfence();\n        is_last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;\n",
     ),
     Edit(
         "include/deep_ep/common/tasks.cuh",
-        "        if (threadIdx.x == 0) {\n            __threadfence();\n"
-        "            if (atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1) {\n"
-        "                __threadfence();\n                reset(words_);\n            }\n        }\n",
-        "        if (threadIdx.x == 0 and atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1) reset(words_);\n",
+        "        if (threadIdx.x == 0 and atomic_add_acq_rel_gpu(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1)\n",
+        "        if (threadIdx.x == 0 and atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1)\n",
     ),
 )
 
-ORDERING_EDIT_NAMES = ("window-loads-nc", "grid-barrier-fence", "epilogue-fence", "task-queue-fences")
+ORDERING_EDIT_NAMES = ("window-loads-nc", "grid-barrier-add", "epilogue-add", "task-queue-add")
 
 # The A/B runs this bench (its cases are the planner's picks), with --tokens appended
 ORDERING_AB_BENCH = ["bench", "--ranks", "4", "--dtype", "fp8,bf16"]

@@ -66,12 +66,10 @@ __device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, int t
     __shared__ int passed;
     __syncthreads();
     if (threadIdx.x == 0) {
-        // The CTA's writes (ordered before thread 0 by __syncthreads) become visible device-wide
-        __threadfence();
+        // Releases the CTA's writes (ordered before thread 0 by __syncthreads); the last CTA in has
+        // acquired every other CTA's before it releases them all
         bool ok = true;
-        if (atomicAdd(arrive, 1) == static_cast<int>(gridDim.x) - 1) {
-            // Acquire the other CTAs' writes (their fences came before their adds) before releasing them all
-            __threadfence();
+        if (atomic_add_acq_rel_gpu(arrive, 1) == static_cast<int>(gridDim.x) - 1) {
             *arrive = 0;
             st_release_sys(generation, tag);
         } else {

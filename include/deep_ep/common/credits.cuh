@@ -44,12 +44,10 @@ __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arri
     __syncthreads();
     if (threadIdx.x == 0) {
         int* done = reinterpret_cast<int*>(window + kEpilogueDoneOffset);
-        __threadfence();  // our CTA's reads of the window come before the last CTA's zeroing
-        is_last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;
-        if (is_last) {
-            __threadfence();  // and the other CTAs' reads (fenced before their adds) before ours
-            *done = 0;
-        }
+        // Our CTA's reads of the window come before the last CTA's zeroing, and the last CTA's
+        // zeroing after every CTA's reads
+        is_last = atomic_add_acq_rel_gpu(done, 1) == static_cast<int>(gridDim.x) - 1;
+        if (is_last) *done = 0;
     }
     __syncthreads();
     if (not is_last) return;

@@ -51,6 +51,16 @@ __device__ __forceinline__ int atomic_add_release_sys(int* ptr, int v) {
 
 // Peers add to the same semaphores over NVLink at system scope; our own updates must use the same
 // scope, or the two read-modify-writes are not atomic with respect to each other.
+// The last-arriver pattern in one instruction: the add releases what this CTA did before it (ordered
+// before the calling thread by a CTA barrier) and acquires what every CTA that added before it did,
+// so the CTA that finds itself last may reset shared words or publish for all. One `fence.acq_rel`
+// in SASS, where `__threadfence()` before the add (and again in the last one) is `fence.sc` each.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* ptr, int v) {
+    int old;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+    return old;
+}
+
 __device__ __forceinline__ int atomic_add_relaxed_sys(int* ptr, int v) {
     int old;
     asm volatile("atom.relaxed.sys.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");

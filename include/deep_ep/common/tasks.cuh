@@ -12,6 +12,8 @@
 // The epilogues take their rows the same way, in the order they land: a warp whose row is late
 // holds up only that row, not the rows that round-robin dealing would have given it after.
 
+#include "ptx.cuh"
+
 namespace deep_ep {
 
 class TaskQueue {
@@ -37,14 +39,9 @@ public:
         if (not is_dynamic_) return;
         __syncthreads();
         // A warp's claims have returned before it leaves its loop, so the last CTA in sees them all;
-        // the fences order every CTA's claims before the last one's reset, as the memory model asks
-        if (threadIdx.x == 0) {
-            __threadfence();
-            if (atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-                __threadfence();
-                reset(words_);
-            }
-        }
+        // the acquire-release add orders every CTA's claims before the last one's reset
+        if (threadIdx.x == 0 and atomic_add_acq_rel_gpu(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1)
+            reset(words_);
     }
 
     __device__ __forceinline__ static void reset(int* words) {
