@@ -1,7 +1,7 @@
 """`ElasticBuffer`: the public facade (DeepEP V2's API) over a backend.
 
 The facade validates every argument (`deep_ep.validation`), owns the communication stream and the
-events, and hands normalized requests to one backend object (`deep_ep.backend.EPBackend`).
+events, and hands normalized requests to one backend object (`deep_ep.backends.base.EPBackend`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep import planner
-from deep_ep.backend import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend, loopback_world_of
+from deep_ep.backends.base import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend, loopback_world_of
 from deep_ep.errors import EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
 from deep_ep.handle import EPHandle
@@ -45,7 +45,7 @@ def _kernels_supported_here(group: dist.ProcessGroup) -> bool:
     if _group_device(group).type != "cuda":
         return False
     try:
-        import deep_ep.kernels as kernels
+        from deep_ep.backends.kernels import backend as kernels
     except ImportError:
         return False
     return bool(kernels.is_supported(group))
@@ -63,12 +63,12 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
     if backend not in _BACKEND_NAMES:
         raise ValueError(f"ElasticBuffer: `backend` must be one of {_BACKEND_NAMES}, got {backend!r}")
     if backend == "reference":
-        from deep_ep.reference import ReferenceBackend
+        from deep_ep.backends.reference.backend import ReferenceBackend
 
         return ReferenceBackend
     if backend == "kernels":
         try:
-            import deep_ep.kernels as kernels
+            from deep_ep.backends.kernels import backend as kernels
         except ImportError as error:
             raise ValueError(
                 f"ElasticBuffer: `backend`='kernels' needs deep_ep.kernels, which failed to import: {error}"
@@ -77,7 +77,7 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
             raise ValueError(
                 "ElasticBuffer: `backend`='kernels' does not support this group (deep_ep.kernels.is_supported is False)"
             )
-        return kernels.KernelBackend
+        return kernels.NvlinkBackend
     use_kernels = _kernels_supported_here(group)
     # Virtual ranks answer alike by construction (one process, one GPU)
     if agree and _group_device(group).type == "cuda" and loopback_world_of(group) is None:

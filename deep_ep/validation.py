@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from deep_ep.backend import CombineRequest, DispatchRequest, ScaleKind
+from deep_ep.backends.base import CombineRequest, DispatchRequest, ScaleKind
 from deep_ep.event import EventHandle
 from deep_ep.handle import EPHandle
 from deep_ep.host_reads import host_list

@@ -1,11 +1,11 @@
-"""deep_ep/layout.py and include/deep_ep/common/layout.cuh + fault.cuh describe the same bytes."""
+"""deep_ep/backends/kernels/layout.py and include/deep_ep/common/layout.cuh + fault.cuh describe the same bytes."""
 
 from __future__ import annotations
 
 import pytest
 from deep_ep.jit import JITCompileError, KernelSpec, compile_spec
 
-from deep_ep import layout
+from deep_ep.backends.kernels import layout
 from deep_ep.paths import get_include_dir
 
 SHAPES = [(14336, 0, 8), (7168, 224, 8), (7168, 56, 8), (4096, 128, 6), (256, 8, 1), (2048, 64, 32)]

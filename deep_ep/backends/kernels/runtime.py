@@ -1,7 +1,7 @@
 """The NVLink runtime: the window of one buffer and the launch sequence of its kernels.
 
 One `NvlinkRuntime` per `ElasticBuffer` whose ranks reach each other's windows by loads and
-stores: one NVLink domain through NCCL's LSA pointers (`deep_ep.nccl.peer_windows`), or the virtual
+stores: one NVLink domain through NCCL's LSA pointers (`deep_ep.backends.kernels.nccl.peer_windows`), or the virtual
 ranks of one GPU (`deep_ep.loopback`). It takes the windows (`PeerWindows`) and the part of the GPU
 the rank's kernels may use (`DeviceShare`), owns the host-mapped error block and the count blocks,
 and runs dispatch and combine as a fixed sequence of kernels on the stream it is given:
@@ -28,10 +28,12 @@ from typing import Any, Protocol
 
 import torch
 
-from . import kernels
-from .errors import EPError, EPOperationMismatchError, EPTimeoutError
-from .host_reads import wait_for_stream
-from .jit import I32, U64, Opaque
+from deep_ep.errors import EPError, EPOperationMismatchError, EPTimeoutError
+from deep_ep.host_reads import wait_for_stream
+from deep_ep.jit import I32, U64, Opaque
+from deep_ep.validation import check_topk_idx_values
+
+from . import specs
 from .layout import (
     DISPATCH_SCRATCH_INTS,
     ERROR_REPORTED_BY_PEER,
@@ -50,7 +52,6 @@ from .layout import (
     arrival_block,
     tokens_per_group,
 )
-from .validation import check_topk_idx_values
 
 # How long a host wait busy-polls before it starts sleeping between polls
 _SPIN_S = 0.05
@@ -85,8 +86,8 @@ class PeerWindows(Protocol):
     def destroy(self) -> None: ...
 
 
-def _load_each(specs: Sequence[Any]) -> list[Any]:
-    return [kernels.load(spec) for spec in specs]
+def _load_each(kernel_specs: Sequence[Any]) -> list[Any]:
+    return [specs.load(spec) for spec in kernel_specs]
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def rows_per_task(num_rows: int, num_sms: int, max_rows: int) -> int:
     """Rows (or tokens) a communication warp sends between two releases: one when there are few
     per warp (decode: spread them over every warp), up to `max_rows` when there are many (each
     release fence stalls its warp for about one NVLink round trip)."""
-    num_warps = num_sms * (kernels.NUM_THREADS // 32)
+    num_warps = num_sms * (specs.NUM_THREADS // 32)
     rows = 1
     while rows < max_rows and num_rows >= 8 * rows * num_warps:
         rows *= 2
@@ -273,7 +274,7 @@ class NvlinkRuntime:
         cannot share an SM with a communication CTA (registers), so one placed behind it would hold
         its rows, spread over the whole batch, until the transfer ends. With an exclusive share, the
         free SMs are all there is."""
-        rows_per_cta = kernels.NUM_THREADS // 32
+        rows_per_cta = specs.NUM_THREADS // 32
         num_free_sms = self.num_device_sms - num_busy_sms
         if self.share.exclusive or num_free_sms >= self.num_device_sms // 4:
             num_sms = max(1, num_free_sms)
@@ -285,7 +286,7 @@ class NvlinkRuntime:
 
     def barrier(self, stream: torch.cuda.Stream) -> None:
         self.check_error()
-        (kernel,) = self.share.load([kernels.barrier_spec(self.num_ranks)])
+        (kernel,) = self.share.load([specs.barrier_spec(self.num_ranks)])
         kernel.launch(grid=(1,), block=(128,), stream=stream, args=(
             U64(self.windows.ptr), I32(self.rank), U64(_ptr(self.error_block)), U64(self.timeout_ns)))  # fmt: skip
 
@@ -378,13 +379,13 @@ class NvlinkRuntime:
         num_sms = self.comm_grid(num_sms)
         fresh = cached is None
         expand_ranks = fresh and do_expand
-        specs = [kernels.dispatch_spec(*args_common, not fresh)]
+        kernel_specs = [specs.dispatch_spec(*args_common, not fresh)]
         if expand_ranks:
-            specs.append(kernels.dispatch_expand_rank_spec(*args_common))
-        specs.append(kernels.dispatch_epilogue_spec(*args_common, do_expand))
-        loaded = self.share.load(specs)
+            kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common))
+        kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand))
+        loaded = self.share.load(kernel_specs)
         dispatch_kernel, epilogue_kernel = loaded[0], loaded[-1]
-        op_hash = kernels.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk)
+        op_hash = specs.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk)
         arrival_slots = arrival_block(num_max_tokens_per_rank)
         max_recv = self.num_ranks * num_max_tokens_per_rank
         empty = self.share.empty
@@ -419,7 +420,7 @@ class NvlinkRuntime:
             outputs = self._dispatch_outputs(state.num_out_rows, x, x_scales, num_topk, topk_weights is not None,
                                              do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
 
-        dispatch_args = kernels.DispatchArgs(
+        dispatch_args = specs.DispatchArgs(
             window_base=self.windows.ptr, x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx),
             topk_weights=_ptr(topk_weights), slot_idx=_ptr(slot_idx), dst_slot_idx=_ptr(dst_slot_idx),
             layout_scratch=_ptr(self.dispatch_scratch), num_tokens_per_rank=_ptr(num_tokens_per_rank),
@@ -432,7 +433,7 @@ class NvlinkRuntime:
             error_block=_ptr(self.error_block), timeout_ns=self.timeout_ns)  # fmt: skip
         # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
         # makes the driver guarantee it (or refuse), whatever else holds SMs
-        dispatch_kernel.launch(grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
+        dispatch_kernel.launch(grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
                                args=(Opaque(bytes(dispatch_args)),), cooperative=fresh)  # fmt: skip
 
         rejected = False
@@ -440,7 +441,7 @@ class NvlinkRuntime:
             if expand_ranks:
                 expand_grid = max(1, min(num_local_experts, num_sms if self.share.exclusive else self.num_device_sms))
                 loaded[1].launch(
-                    grid=(expand_grid,), block=(kernels.NUM_EXPAND_RANK_THREADS,), stream=stream,
+                    grid=(expand_grid,), block=(specs.NUM_EXPAND_RANK_THREADS,), stream=stream,
                     args=(U64(self.windows.ptr), I32(num_max_tokens_per_rank), I32(self.rank), I32(num_local_experts),
                           U64(_ptr(expand_scratch)), I32(arrival_slots), I32(op_hash), U64(_ptr(self.error_block)),
                           U64(self.timeout_ns)))  # fmt: skip
@@ -501,7 +502,7 @@ class NvlinkRuntime:
         num_max_tokens_per_rank: int, num_local_experts: int, expert_alignment: int, do_zero_padding: bool,
         arrival_slots: int, op_hash: int, num_busy_sms: int,
     ) -> None:  # fmt: skip
-        epilogue_args = kernels.DispatchEpilogueArgs(
+        epilogue_args = specs.DispatchEpilogueArgs(
             window_base=self.windows.ptr, x=_ptr(x), x_scales=_ptr(x_scales),
             num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
             num_experts_per_rank=num_local_experts, expert_alignment=expert_alignment,
@@ -516,7 +517,7 @@ class NvlinkRuntime:
             do_zero_padding=int(do_zero_padding), arrival_block=arrival_slots, op_hash=op_hash,
             error_block=_ptr(self.error_block), timeout_ns=self.timeout_ns)  # fmt: skip
         grid = self._grid_for_rows(state.num_meta_rows, num_busy_sms)
-        kernel.launch(grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),),
+        kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),),
                       pdl=True)  # fmt: skip
 
     def _drain_dispatch(
@@ -525,11 +526,11 @@ class NvlinkRuntime:
     ) -> None:  # fmt: skip
         """Our input was rejected, but peers sent us their records: wait for them all and return the
         arrival counters to zero (the epilogue with no outputs), so the buffer stays usable."""
-        drain_args = kernels.DispatchEpilogueArgs(
+        drain_args = specs.DispatchEpilogueArgs(
             window_base=self.windows.ptr, num_max_tokens_per_rank=num_max_tokens_per_rank, rank=self.rank,
             num_experts_per_rank=num_local_experts, expert_alignment=1, drain_only=1, arrival_block=arrival_slots,
             op_hash=op_hash, error_block=_ptr(self.error_block), timeout_ns=self.timeout_ns)  # fmt: skip
-        kernel.launch(grid=(1,), block=(kernels.NUM_THREADS,), stream=stream, args=(Opaque(bytes(drain_args)),),
+        kernel.launch(grid=(1,), block=(specs.NUM_THREADS,), stream=stream, args=(Opaque(bytes(drain_args)),),
                       pdl=True)  # fmt: skip
 
     def worst_case_expanded_rows(
@@ -584,10 +585,10 @@ class NvlinkRuntime:
         self.check_capacity(slot.num_bytes, num_max_tokens_per_rank, "combine")
         num_sms = self.comm_grid(num_sms)
         combine_kernel, epilogue_kernel = self.share.load([
-            kernels.combine_spec(self.num_ranks, hidden, num_topk, num_rows, do_expand),
-            kernels.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows),
+            specs.combine_spec(self.num_ranks, hidden, num_topk, num_rows, do_expand),
+            specs.combine_epilogue_spec(self.num_ranks, hidden, num_topk, num_rows),
         ])  # fmt: skip
-        op_hash = kernels.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk)
+        op_hash = specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk)
         arrival_slots = arrival_block(num_max_tokens_per_rank)
         empty = self.share.empty
         combined_x = empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
@@ -595,7 +596,7 @@ class NvlinkRuntime:
         if topk_weights is not None:
             combined_w = empty((num_tokens, num_topk), dtype=torch.float32, device=x.device)
 
-        combine_args = kernels.CombineArgs(
+        combine_args = specs.CombineArgs(
             window_base=self.windows.ptr, x=_ptr(x), topk_weights=_ptr(topk_weights),
             recv_src_metadata=_ptr(recv_src_metadata),
             psum_num_recv_tokens_per_rank=_ptr(psum_num_recv_tokens_per_rank), num_x_rows=x.shape[0],
@@ -603,11 +604,11 @@ class NvlinkRuntime:
             rank=self.rank, rows_per_task=rows_per_task(num_tokens * self.num_ranks, num_sms, 2),
             arrival_block=arrival_slots, op_hash=op_hash, error_block=_ptr(self.error_block),
             timeout_ns=self.timeout_ns)  # fmt: skip
-        combine_kernel.launch(grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
+        combine_kernel.launch(grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
                               args=(Opaque(bytes(combine_args)),))  # fmt: skip
         try:
             # Always, even with no tokens here: the epilogue posts our window credit (credits.cuh)
-            epilogue_args = kernels.CombineEpilogueArgs(
+            epilogue_args = specs.CombineEpilogueArgs(
                 window_base=self.windows.ptr, topk_idx=_ptr(topk_idx), slot_idx=_ptr(state.slot_idx),
                 bias_0=_ptr(bias_0), bias_1=_ptr(bias_1), combined_x=_ptr(combined_x),
                 combined_topk_weights=_ptr(combined_w), local_x=0 if do_expand else _ptr(x),
@@ -618,7 +619,7 @@ class NvlinkRuntime:
                 num_experts_per_rank=num_local_experts, rank=self.rank, arrival_block=arrival_slots, op_hash=op_hash,
                 error_block=_ptr(self.error_block), timeout_ns=self.timeout_ns)  # fmt: skip
             grid = self._grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
-            epilogue_kernel.launch(grid=(grid,), block=(kernels.NUM_THREADS,), stream=stream,
+            epilogue_kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream,
                                    args=(Opaque(bytes(epilogue_args)),), pdl=True)  # fmt: skip
         except BaseException as error:
             self._fail_between_launches("combine", error)
@@ -640,8 +641,8 @@ def peer_store(runtime: NvlinkRuntime, stream: torch.cuda.Stream, src: torch.Ten
     """
     if WORKSPACE_BYTES + src.numel() > runtime.windows.num_bytes:
         raise ValueError(f"peer_store: {src.numel()} bytes do not fit the window ({runtime.windows.num_bytes} bytes)")
-    (kernel,) = runtime.share.load([kernels.peer_store_spec()])
+    (kernel,) = runtime.share.load([specs.peer_store_spec()])
     kernel.launch(
-        grid=(num_sms,), block=(kernels.NUM_THREADS,), stream=stream,
+        grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
         args=(U64(runtime.windows.ptr), I32(runtime.rank), I32(runtime.num_ranks), U64(WORKSPACE_BYTES), src,
               U64(src.numel())))  # fmt: skip

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deep_ep.backend import (
+from deep_ep.backends.base import (
     TMA_ALIGNED_SF_TOKENS,
     BufferConfig,
     CombineRequest,

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from .backend import (
+from deep_ep.backends.base import (
     BufferConfig,
     CombineRequest,
     CombineResult,
@@ -18,8 +18,9 @@ from .backend import (
     EPBackend,
     loopback_world_of,
 )
+
 from .layout import MAX_LOCAL_EXPERTS, MAX_RANKS
-from .nvlink import DeviceShare, NvlinkRuntime
+from .runtime import DeviceShare, NvlinkRuntime
 
 
 def is_supported(group: dist.ProcessGroup) -> bool:
