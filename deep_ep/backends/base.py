@@ -1,8 +1,8 @@
 """The interface between `ElasticBuffer` (the facade) and the objects that move the data.
 
 `ElasticBuffer` validates every argument, owns the communication stream and the events, and then
-hands one normalized request to a backend: `deep_ep.reference.ReferenceBackend` (torch collectives,
-any process group) or `deep_ep.kernels.KernelBackend` (the JIT-compiled NVLink kernels). A backend
+hands one normalized request to a backend: `deep_ep.backends.reference` (torch collectives, any
+process group) or `deep_ep.backends.kernels` (the JIT-compiled NVLink kernels). A backend
 never validates user input again and never touches streams other than the current one.
 
 Notation used below: `N` ranks, this rank `r`, `E` experts, `L = E / N` local experts (rank `r` owns
@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+from deep_ep.utils.math import align
 
 if TYPE_CHECKING:
     from deep_ep.handle import EPHandle
@@ -219,6 +221,23 @@ class DispatchResult:
     recv_src_metadata: torch.Tensor
     dst_buffer_slot_idx: torch.Tensor
     backend_state: Any
+
+
+def worst_case_num_recv_tokens(num_ranks: int, num_max_tokens_per_rank: int) -> int:
+    """Rows of the non-expanded outputs without CPU sync: every rank sends all its tokens here."""
+    return num_ranks * num_max_tokens_per_rank
+
+
+def worst_case_num_expanded_tokens(
+    num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int, expert_alignment: int
+) -> int:
+    """Rows of the expanded outputs without CPU sync (DeepEP V2's bound).
+
+    Every token brings at most `min(K, L)` (token, local expert) pairs and every expert's block adds
+    at most `a - 1` padding rows: `align(N * Tmax * min(K, L) + L * (a - 1), a)`.
+    """
+    num_rows = num_ranks * num_max_tokens_per_rank * min(num_topk, num_local_experts)
+    return align(num_rows + num_local_experts * (expert_alignment - 1), expert_alignment)
 
 
 @dataclass(frozen=True)
