@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deep_ep.backends.base import ScaleKind
+if TYPE_CHECKING:
+    from deep_ep.backends.base import ScaleKind
 
 
 class EPHandle:

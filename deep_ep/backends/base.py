@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from deep_ep.host_reads import host_list
 from deep_ep.utils.math import align
 
 if TYPE_CHECKING:
@@ -164,6 +165,34 @@ class DispatchRequest:
     @property
     def num_topk(self) -> int:
         return self.topk_idx.shape[1]
+
+
+def check_topk_idx_values(op: str, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Check the values of a routing table: `-1 <= topk_idx < num_experts` and no repeated expert in
+    a row (one host sync). Raises the `ValueError` that names the first bad value.
+
+    Arguments:
+        op: the call, for the message (`'dispatch'`).
+        topk_idx: `[T, K]` `torch.int64`, on any device.
+        num_experts: `E`.
+    """
+    if topk_idx.numel() == 0:
+        return
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    ordered = topk_idx.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    has_out_of_range, has_repeated = host_list(torch.stack([out_of_range.any(), repeated.any()]))
+    if has_out_of_range:
+        token, lane = (int(v) for v in out_of_range.nonzero()[0].tolist())
+        raise ValueError(
+            f"{op}: `topk_idx` values must be in [-1, {num_experts}) (num_experts = {num_experts}), "
+            f"got {int(topk_idx[token, lane])} at [{token}, {lane}]"
+        )
+    if has_repeated:
+        token = int(repeated.any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"{op}: `topk_idx` rows must not repeat an expert, got row {token} = {topk_idx[token].tolist()}"
+        )
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,10 @@ from typing import Any, Protocol
 
 import torch
 
+from deep_ep.backends.base import check_topk_idx_values
 from deep_ep.errors import EPError, EPOperationMismatchError, EPTimeoutError
 from deep_ep.host_reads import wait_for_stream
 from deep_ep.jit import I32, U64, Opaque
-from deep_ep.validation import check_topk_idx_values
 
 from . import specs
 from .layout import (
