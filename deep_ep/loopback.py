@@ -295,8 +295,8 @@ class LoopbackGroup(dist.ProcessGroup):
 
 
 class LoopbackWindows:
-    """`deep_ep.backends.kernels.runtime.PeerWindows` of one buffer's virtual ranks: one allocation holds every
-    rank's window (with guard bytes between them when the world guards allocations)."""
+    """`deep_ep.backends.kernels.transport.PeerWindows` of one buffer's virtual ranks: one allocation
+    holds every rank's window (with guard bytes between them when the world guards allocations)."""
 
     def __init__(self, world: LoopbackWorld, rank: int, allocation: dict) -> None:
         self.world, self.rank, self.num_ranks = world, rank, world.num_ranks
@@ -549,8 +549,8 @@ class LoopbackWorld:
         return self._streams[rank].compute
 
     def device_share(self, rank: int) -> Any:
-        """The `deep_ep.backends.kernels.runtime.DeviceShare` of `rank`'s kernels."""
-        from .backends.kernels.runtime import DeviceShare
+        """The `deep_ep.backends.kernels.transport.DeviceShare` of `rank`'s kernels."""
+        from .backends.kernels.transport import DeviceShare
 
         return DeviceShare(self.num_sms_per_rank, exclusive=True, empty=self.empty,
                            load=lambda specs: self.load_kernels(rank, specs))  # fmt: skip

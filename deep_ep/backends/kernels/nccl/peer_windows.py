@@ -19,7 +19,7 @@ from .window import SymmetricWindow
 
 
 class NcclPeerWindows:
-    """`deep_ep.backends.kernels.runtime.PeerWindows` over NCCL: a communicator, a device communicator (which checks
+    """`deep_ep.backends.kernels.transport.PeerWindows` over NCCL: a communicator, a device communicator (which checks
     that the group is one LSA domain) and a symmetric window.
 
     Arguments:
