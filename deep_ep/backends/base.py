@@ -335,6 +335,12 @@ class EPBackend(abc.ABC):
         self.config = config
 
     @classmethod
+    def is_supported(cls, group: dist.ProcessGroup) -> bool:
+        """Whether this backend can serve `group`, from this rank (local answer, no communication);
+        any group by default."""
+        return True
+
+    @classmethod
     def get_buffer_size_hint(
         cls,
         group: dist.ProcessGroup,

@@ -24,12 +24,6 @@ from .runtime import NvlinkRuntime
 from .transport import choose_transport, open_transport
 
 
-def is_supported(group: dist.ProcessGroup) -> bool:
-    """Whether some transport serves `group` from here (local answer, no communication; see
-    `transport.choose_transport`)."""
-    return choose_transport(group).supported
-
-
 class NvlinkBackend(EPBackend):
     """Dispatch and combine through NCCL symmetric memory and LSA stores over NVLink."""
 
@@ -42,6 +36,11 @@ class NvlinkBackend(EPBackend):
         self.runtime = NvlinkRuntime(transport.open_windows, transport.share,
                                      num_gpu_timeout_secs=config.num_gpu_timeout_secs,
                                      num_cpu_timeout_secs=config.num_cpu_timeout_secs)  # fmt: skip
+
+    @classmethod
+    def is_supported(cls, group: dist.ProcessGroup) -> bool:
+        """Whether some transport reaches every peer of `group` from here (`transport.choose_transport`)."""
+        return choose_transport(group).supported
 
     @property
     def dead_reason(self) -> str | None:
