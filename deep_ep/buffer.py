@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from deep_ep import planner
 from deep_ep.backends import registry
-from deep_ep.backends.base import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend, loopback_world_of
+from deep_ep.backends.base import BufferConfig, EPBackend, loopback_world_of
 from deep_ep.errors import EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
 from deep_ep.handle import EPHandle
+from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.validation import ValidationContext, as_bool, as_int, validate_combine, validate_dispatch
 
 # The dtype of `topk_idx` (V2's `deep_ep.topk_idx_t`)

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from deep_ep.backends.base import BUFFER_ALIGNMENT_BYTES, ScaleKind, worst_case_num_expanded_tokens
+from deep_ep.backends.base import ScaleKind, worst_case_num_expanded_tokens
 from deep_ep.backends.reference.backend import ReferenceBackend
 from deep_ep.buffer import select_backend_class
 from deep_ep.event import EventHandle, EventOverlap
+from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.utils.routing import uniform_routing
 
 

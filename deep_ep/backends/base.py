@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from deep_ep import planner
 from deep_ep.host_reads import host_list
 from deep_ep.utils.math import align
 
@@ -42,9 +43,6 @@ def loopback_world_of(group: Any) -> Any:
     importing `deep_ep.loopback`, whose import sets CUDA environment variables for virtual ranks)."""
     return getattr(group, "loopback_world", None)
 
-
-# The buffer size granularity (the symmetric memory window is mapped in 2 MiB pages)
-BUFFER_ALIGNMENT_BYTES = 2 << 20
 
 # Scale packs of the TMA-aligned column-major layout are padded to this many tokens
 TMA_ALIGNED_SF_TOKENS = 4
@@ -353,8 +351,6 @@ class EPBackend(abc.ABC):
     ) -> int:
         """Return the buffer bytes for the MoE shape (2 MiB aligned; `deep_ep.planner.buffer_size_hint`:
         the NVLink window layout, so a buffer sized here also fits the kernels); no communication."""
-        from deep_ep import planner
-
         return planner.buffer_size_hint(
             group.size(), num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
             allow_multiple_reduction,

@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from deep_ep.jit import Opaque
+from deep_ep.records import CombineSlotLayout
 
 from . import specs
 from .dispatch import NvlinkDispatchState
-from .layout import CombineSlotLayout, arrival_block
+from .layout import arrival_block
 from .runtime import NvlinkRuntime, data_ptr, rows_per_task
 
 

@@ -18,10 +18,11 @@ import torch
 
 from deep_ep.backends.base import check_topk_idx_values, worst_case_num_expanded_tokens
 from deep_ep.jit import I32, U64, Opaque
+from deep_ep.records import DispatchRecordLayout
 from deep_ep.utils.math import align
 
 from . import specs
-from .layout import DispatchRecordLayout, arrival_block, tokens_per_group
+from .layout import arrival_block, tokens_per_group
 from .runtime import NvlinkRuntime, data_ptr, rows_per_task
 
 

@@ -23,6 +23,7 @@ import torch
 from deep_ep.errors import EPError, EPOperationMismatchError, EPTimeoutError
 from deep_ep.host_reads import wait_for_stream
 from deep_ep.jit import I32, U64
+from deep_ep.records import WORKSPACE_BYTES
 
 from . import specs
 from .layout import (
@@ -36,7 +37,6 @@ from .layout import (
     PEER_WINDOWS_OFFSET,
     PHASES,
     RANK_OFFSET,
-    WORKSPACE_BYTES,
 )
 from .transport import DeviceShare, PeerWindows
 
