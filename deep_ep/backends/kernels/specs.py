@@ -130,8 +130,8 @@ class CombineEpilogueArgs(ctypes.Structure):
     ]
 
 
-# Spec builders are memoized: building a KernelSpec resolves include paths on disk (~0.1 ms),
-# which would otherwise be paid by every kernel of every dispatch and combine.
+# Spec builders are memoized: building a KernelSpec resolves include paths on disk, which would
+# otherwise be paid by every kernel of every dispatch and combine.
 def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = False) -> KernelSpec:
     return KernelSpec(
         header=f"deep_ep/kernels/{kernel}.cuh",
