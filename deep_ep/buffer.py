@@ -1,7 +1,8 @@
 """`ElasticBuffer`: the public facade (DeepEP V2's API) over a backend.
 
 The facade validates every argument (`deep_ep.validation`), owns the communication stream and the
-events, and hands normalized requests to one backend object (`deep_ep.backend.EPBackend`).
+events, and hands normalized requests to one backend object (`deep_ep.backends.base.EPBackend`),
+chosen by name through `deep_ep.backends.registry`.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import torch
 import torch.distributed as dist
 
 from deep_ep import planner
-from deep_ep.backend import BUFFER_ALIGNMENT_BYTES, BufferConfig, EPBackend, loopback_world_of
+from deep_ep.backends import registry
+from deep_ep.backends.base import BufferConfig, EPBackend, loopback_world_of
 from deep_ep.errors import EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
 from deep_ep.handle import EPHandle
+from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.validation import ValidationContext, as_bool, as_int, validate_combine, validate_dispatch
 
 # The dtype of `topk_idx` (V2's `deep_ep.topk_idx_t`)
 topk_idx_t = torch.int64
 
-_BACKEND_NAMES = ("auto", "kernels", "reference")
 _buffer_ids = itertools.count(1)
 
 
@@ -40,51 +42,43 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _kernels_supported_here(group: dist.ProcessGroup) -> bool:
-    """Whether `deep_ep.kernels` imports and accepts this group (local answer, no communication)."""
-    if _group_device(group).type != "cuda":
-        return False
-    try:
-        import deep_ep.kernels as kernels
-    except ImportError:
-        return False
-    return bool(kernels.is_supported(group))
-
-
 def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = True) -> type[EPBackend]:
-    """Choose the backend class for `group`.
+    """Choose the backend class for `group` through `deep_ep.backends.registry`.
 
-    `'reference'` -> `ReferenceBackend`; `'kernels'` -> `deep_ep.kernels.KernelBackend` (an error if it
-    does not import or does not support the group); `'auto'` -> the kernels when the group is NCCL on
-    CUDA, `deep_ep.kernels` imports and `deep_ep.kernels.is_supported(group)` says yes (it checks that
-    every rank is in one NVLink domain) on every rank, else the reference. With `agree`, the ranks of an
-    NCCL group exchange their local answers so that all of them choose the same backend.
+    A registered name (`'kernels'`, `'reference'`) -> that backend's class (an error if it does not
+    import or does not support the group); `'auto'` -> the first registered backend that serves the
+    group's device, imports, and supports the group on every rank: the kernels (`NvlinkBackend`) when
+    the group is one NVLink domain or the virtual ranks of one GPU, else the reference. With `agree`,
+    the ranks of an NCCL group exchange their local answers so that all of them choose the same backend.
     """
-    if backend not in _BACKEND_NAMES:
-        raise ValueError(f"ElasticBuffer: `backend` must be one of {_BACKEND_NAMES}, got {backend!r}")
-    if backend == "reference":
-        from deep_ep.reference import ReferenceBackend
-
-        return ReferenceBackend
-    if backend == "kernels":
+    names = ("auto", *registry.names())
+    if backend not in names:
+        raise ValueError(f"ElasticBuffer: `backend` must be one of {names}, got {backend!r}")
+    if backend != "auto":
         try:
-            import deep_ep.kernels as kernels
+            backend_class = registry.load(backend)
         except ImportError as error:
             raise ValueError(
-                f"ElasticBuffer: `backend`='kernels' needs deep_ep.kernels, which failed to import: {error}"
+                f"ElasticBuffer: `backend`={backend!r} needs {registry.entry(backend).module}, which failed to "
+                f"import: {error}"
             ) from error
-        if not kernels.is_supported(group):
+        if not backend_class.is_supported(group):
             raise ValueError(
-                "ElasticBuffer: `backend`='kernels' does not support this group (deep_ep.kernels.is_supported is False)"
+                f"ElasticBuffer: `backend`={backend!r} does not support this group "
+                f"({backend_class.__name__}.is_supported is False)"
             )
-        return kernels.KernelBackend
-    use_kernels = _kernels_supported_here(group)
+        return backend_class
+    device = _group_device(group)
+    votes = [int(registry.supports(name, group, device.type)) for name in registry.names()]
     # Virtual ranks answer alike by construction (one process, one GPU)
-    if agree and _group_device(group).type == "cuda" and loopback_world_of(group) is None:
-        votes = torch.tensor([int(use_kernels)], dtype=torch.int32, device=_group_device(group))
-        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
-        use_kernels = bool(votes.item())
-    return select_backend_class(group, "kernels" if use_kernels else "reference")
+    if agree and device.type == "cuda" and loopback_world_of(group) is None:
+        agreed = torch.tensor(votes, dtype=torch.int32, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        votes = agreed.tolist()
+    chosen = next((name for name, vote in zip(registry.names(), votes, strict=True) if vote), None)
+    if chosen is None:
+        raise ValueError(f"ElasticBuffer: no backend of {registry.names()} supports this group on every rank")
+    return select_backend_class(group, chosen)
 
 
 class ElasticBuffer:

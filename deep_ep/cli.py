@@ -228,7 +228,7 @@ def cmd_jit_clear(args: argparse.Namespace) -> int:
 
 
 def default_warmup_specs() -> list[Any]:
-    """The kernels to warm up when `deep_ep.kernels` (the registry of library kernels) is absent."""
+    """The kernels to warm up when `deep_ep.backends.kernels.specs` (the library's kernel specs) is absent."""
     from deep_ep.jit import KernelSpec
     from deep_ep.paths import get_include_dir
 
@@ -244,9 +244,9 @@ def default_warmup_specs() -> list[Any]:
 
 
 def warmup_specs() -> list[Any]:
-    """`deep_ep.kernels.warmup_specs()` when that module exists, else `default_warmup_specs()`."""
-    if importlib.util.find_spec("deep_ep.kernels") is not None:
-        return list(importlib.import_module("deep_ep.kernels").warmup_specs())
+    """`deep_ep.backends.kernels.specs.warmup_specs()` when that module exists, else `default_warmup_specs()`."""
+    if importlib.util.find_spec("deep_ep.backends.kernels.specs") is not None:
+        return list(importlib.import_module("deep_ep.backends.kernels.specs").warmup_specs())
     return default_warmup_specs()
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deep_ep.backend import ScaleKind
+if TYPE_CHECKING:
+    from deep_ep.backends.base import ScaleKind
 
 
 class EPHandle:
@@ -14,7 +15,7 @@ class EPHandle:
 
     Pass it to `ElasticBuffer.combine` to send the rows back, or to `ElasticBuffer.dispatch` (with
     `topk_idx=None`) to dispatch new data with the same routing without recomputing the layout.
-    Notation as in `deep_ep.backend`: `N` ranks, `L` local experts, `T` tokens of the dispatching
+    Notation as in `deep_ep.backends.base`: `N` ranks, `L` local experts, `T` tokens of the dispatching
     rank, `K` lanes, `Tmax` max tokens per rank, `a` the expert alignment.
 
     Attributes (DeepEP V2):

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import loopback_world_of
+from .backends.base import loopback_world_of
 
 # Hardware queues: streams that share one would order one rank's work behind another's
 _DEVICE_CONNECTIONS = "32"
@@ -295,8 +295,8 @@ class LoopbackGroup(dist.ProcessGroup):
 
 
 class LoopbackWindows:
-    """`deep_ep.nvlink.PeerWindows` of one buffer's virtual ranks: one allocation holds every
-    rank's window (with guard bytes between them when the world guards allocations)."""
+    """`deep_ep.backends.kernels.transport.PeerWindows` of one buffer's virtual ranks: one allocation
+    holds every rank's window (with guard bytes between them when the world guards allocations)."""
 
     def __init__(self, world: LoopbackWorld, rank: int, allocation: dict) -> None:
         self.world, self.rank, self.num_ranks = world, rank, world.num_ranks
@@ -430,7 +430,7 @@ class LoopbackWorld:
         timeout_s: float = 300.0,
         reserve_bytes: int | None = None,
     ) -> None:
-        from .layout import MAX_RANKS
+        from .backends.kernels.layout import MAX_RANKS
 
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"LoopbackWorld: `num_ranks` must be an int in [1, {MAX_RANKS}], got {num_ranks!r}")
@@ -515,10 +515,10 @@ class LoopbackWorld:
 
     def _check_occupancy(self) -> None:
         """Our kernels run one 512-thread CTA per SM at most; check that one fits at all."""
-        from . import kernels
+        from .backends.kernels.specs import barrier_spec, load
 
         with torch.cuda.device(self.device):
-            kernel = kernels.load(kernels.barrier_spec(self.num_ranks))
+            kernel = load(barrier_spec(self.num_ranks))
             if kernel.occupancy(128) < 1:
                 raise ValueError(f"LoopbackWorld: {kernel.name} cannot run on {self.device} (occupancy 0)")
 
@@ -549,8 +549,8 @@ class LoopbackWorld:
         return self._streams[rank].compute
 
     def device_share(self, rank: int) -> Any:
-        """The `deep_ep.nvlink.DeviceShare` of `rank`'s kernels."""
-        from .nvlink import DeviceShare
+        """The `deep_ep.backends.kernels.transport.DeviceShare` of `rank`'s kernels."""
+        from .backends.kernels.transport import DeviceShare
 
         return DeviceShare(self.num_sms_per_rank, exclusive=True, empty=self.empty,
                            load=lambda specs: self.load_kernels(rank, specs))  # fmt: skip
@@ -564,7 +564,7 @@ class LoopbackWorld:
         """Load `specs` for `rank`. The first time a rank needs a kernel, every rank loads its own at
         the same point (all ranks run the same operations): loading may wait for running kernels,
         and none of those can then wait for a launch that a loading thread holds back."""
-        from . import kernels
+        from .backends.kernels.specs import load
 
         missing = [spec for spec in specs if spec not in self._loaded[rank]]
         if missing:
@@ -572,11 +572,11 @@ class LoopbackWorld:
             try:
                 with torch.cuda.device(self.device):
                     for spec in missing:
-                        kernels.load(spec)
+                        load(spec)
             finally:
                 self._exchange(rank, None, "kernel loading (after)")
             self._loaded[rank].update(missing)
-        return [kernels.load(spec) for spec in specs]
+        return [load(spec) for spec in specs]
 
     def empty(self, shape: Sequence[int], *, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
         """`torch.empty` on the world's device; with guards, between guard bytes and filled with

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from deep_ep.records import CombineSlotLayout, DispatchRecordLayout, max_slot_bytes, window_bytes
+
 MAX_RANKS = 2048
 
 # The SM pick: the fewest (even) SMs whose predicted time is within this fraction of the time at the
@@ -304,12 +306,10 @@ def buffer_size_hint(
     num_ranks_per_domain: int | None = None,
 ) -> int:
     """Buffer bytes per rank for the MoE shape (2 MiB aligned): the window layout of
-    `deep_ep.layout` with one slot per (source rank, token), plus one per (source domain, token)
+    `deep_ep.records` with one slot per (source rank, token), plus one per (source domain, token)
     when hybrid mode may run across domains (`num_ranks_per_domain < num_ranks`; a bound for a design
     not built yet). A slot holds a dispatch record or a combine slot, whichever is larger;
     `num_topk = 0` counts as 32 lanes."""
-    from .layout import max_slot_bytes, window_bytes
-
     num_topk = num_topk if num_topk > 0 else 32
     per_domain = num_ranks if num_ranks_per_domain is None else num_ranks_per_domain
     num_slot_ranks = num_ranks
@@ -321,8 +321,6 @@ def buffer_size_hint(
 
 def _buffer_bytes(shape: MoEShape, num_ranks: int, num_domains: int, mode: str) -> tuple[int, int]:
     """Window bytes per rank for this shape's dispatch records and combine slots alone."""
-    from .layout import CombineSlotLayout, DispatchRecordLayout, window_bytes
-
     num_slot_ranks = num_ranks + (num_domains if mode == "hybrid" else 0)
     hidden_bytes = shape.hidden if shape.fp8_dispatch else 2 * shape.hidden
     scale_bytes = 4 * math.ceil(shape.hidden / 128) if shape.fp8_dispatch else 0

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from deep_ep.backend import CombineRequest, DispatchRequest, ScaleKind
+from deep_ep.backends.base import CombineRequest, DispatchRequest, ScaleKind, check_topk_idx_values
 from deep_ep.event import EventHandle
 from deep_ep.handle import EPHandle
-from deep_ep.host_reads import host_list
 from deep_ep.utils.math import ceil_div
 
 
@@ -188,27 +187,6 @@ def parse_dispatch_x(op: str, ctx: ValidationContext, x: Any) -> tuple[torch.Ten
             f" = {[num_tokens, num_packs]}, got {_shape(scales)}"
         )
     return data, scales, kind
-
-
-def check_topk_idx_values(op: str, topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Check `-1 <= topk_idx < num_experts` and no repeated expert in a row (one host sync)."""
-    if topk_idx.numel() == 0:
-        return
-    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
-    ordered = topk_idx.sort(dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    has_out_of_range, has_repeated = host_list(torch.stack([out_of_range.any(), repeated.any()]))
-    if has_out_of_range:
-        token, lane = (int(v) for v in out_of_range.nonzero()[0].tolist())
-        raise ValueError(
-            f"{op}: `topk_idx` values must be in [-1, {num_experts}) (num_experts = {num_experts}), "
-            f"got {int(topk_idx[token, lane])} at [{token}, {lane}]"
-        )
-    if has_repeated:
-        token = int(repeated.any(dim=1).nonzero()[0, 0])
-        raise ValueError(
-            f"{op}: `topk_idx` rows must not repeat an expert, got row {token} = {topk_idx[token].tolist()}"
-        )
 
 
 def validate_dispatch(

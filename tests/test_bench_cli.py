@@ -225,7 +225,7 @@ def test_the_checks_compare_the_real_rows_bitwise_and_name_what_differs():
 def test_gpu_bench_compiles_exactly_kernels_of_the_warmup_set_for_two_gpus():
     # `deep-ep bench` compiles its kernels up front; on 2 GPUs with the default shape (FP8 and BF16)
     # they are all among `deep-ep jit warmup`'s, which tests/test_kernels_compile.py builds for sm_90a
-    from deep_ep import kernels
+    from deep_ep.backends.kernels import specs as kernel_specs
 
     bench_cases = cases.make_cases([8192, 128], [8, 24], ["fp8", "bf16"], ["uniform"], 7168, 8, 256)
     specs = cases.kernel_specs(cases.BenchConfig(bench_cases, 2, "cuda"))
@@ -233,7 +233,7 @@ def test_gpu_bench_compiles_exactly_kernels_of_the_warmup_set_for_two_gpus():
     assert {"deep_ep::dispatch_impl", "deep_ep::dispatch_epilogue_impl", "deep_ep::combine_impl",
             "deep_ep::combine_epilogue_impl", "deep_ep::peer_store_impl"} <= names  # fmt: skip
     assert len(specs) == len(set(specs))
-    assert set(specs) <= set(kernels.warmup_specs())
+    assert set(specs) <= set(kernel_specs.warmup_specs())
     eight = cases.kernel_specs(cases.BenchConfig(bench_cases, 8, "cuda"))
     assert all(spec.template_args[0] == 8 for spec in eight if spec.name == "deep_ep::dispatch_impl")
 

@@ -1,4 +1,4 @@
-"""The text of a device-side failure (`deep_ep.nvlink.describe_fault`), from error-block words as the
+"""The text of a device-side failure (`deep_ep.backends.kernels.runtime.describe_fault`), from error-block words as the
 kernels write them (fault.cuh): the rank that found the failure records its channel and counters,
 a rank told by a peer records -1 for them."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
-from deep_ep.layout import ERROR_REPORTED_BY_PEER, ERROR_TIMED_OUT_HERE, ERROR_WORDS
-from deep_ep.nvlink import describe_fault
+from deep_ep.backends.kernels.layout import ERROR_REPORTED_BY_PEER, ERROR_TIMED_OUT_HERE, ERROR_WORDS
+from deep_ep.backends.kernels.runtime import describe_fault
 
 
 def _words(**values: int) -> dict[str, int]:

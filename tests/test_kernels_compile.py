@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from deep_ep.jit import KernelSpec, compile_spec
 
-from deep_ep import kernels
+from deep_ep.backends.kernels import specs as kernel_specs
 
 pytestmark = pytest.mark.usefixtures("sm90a_checked_cache")
 
 
 def test_warmup_specs_compile_without_spills():
-    specs = kernels.warmup_specs()
+    specs = kernel_specs.warmup_specs()
     names = {spec.name for spec in specs}
     for kernel in ("dispatch", "dispatch_expand_rank", "dispatch_epilogue", "combine", "combine_epilogue",
                    "barrier", "peer_store", "nccl_peer_pointers"):  # fmt: skip
@@ -30,7 +30,7 @@ def test_warmup_specs_compile_without_spills():
 
 
 def test_moe_specs_cover_both_layouts_and_scale_formats():
-    specs = kernels.moe_specs(num_ranks=8, hidden=4096, num_topk=8, num_experts=256, fp8_scale_bytes=(128, 32))
+    specs = kernel_specs.moe_specs(num_ranks=8, hidden=4096, num_topk=8, num_experts=256, fp8_scale_bytes=(128, 32))
     dispatch = [s for s in specs if s.name == "deep_ep::dispatch_impl"]
     assert {s.template_args[1:3] for s in dispatch} == {(8192, 0), (4096, 128), (4096, 32)}
     combine = {s.template_args[3:6] for s in specs if s.name == "deep_ep::combine_impl"}
@@ -42,10 +42,10 @@ def _mirror_assertions() -> str:
     lines = ["#include <cstddef>", "#include <deep_ep/kernels/dispatch.cuh>", "#include <deep_ep/kernels/dispatch_epilogue.cuh>",
              "#include <deep_ep/kernels/combine.cuh>", "#include <deep_ep/kernels/combine_epilogue.cuh>"]  # fmt: skip
     for mirror in (
-        kernels.DispatchArgs,
-        kernels.DispatchEpilogueArgs,
-        kernels.CombineArgs,
-        kernels.CombineEpilogueArgs,
+        kernel_specs.DispatchArgs,
+        kernel_specs.DispatchEpilogueArgs,
+        kernel_specs.CombineArgs,
+        kernel_specs.CombineEpilogueArgs,
     ):
         name = f"deep_ep::{mirror.__name__}"
         lines.append(f'static_assert(sizeof({name}) == {ctypes.sizeof(mirror)}, "{mirror.__name__} size");')
@@ -63,5 +63,5 @@ def test_ctypes_argument_mirrors_match_the_kernel_structs(tmp_path):
         "{ *out = kUnused; }\n"
     )
     spec = KernelSpec(header="mirror_check.cuh", name="mirror_check_impl", template_args=(0,), param_types=("int*",),
-                      include_dirs=(str(tmp_path), *kernels.barrier_spec(2).include_dirs))  # fmt: skip
+                      include_dirs=(str(tmp_path), *kernel_specs.barrier_spec(2).include_dirs))  # fmt: skip
     compile_spec(spec)

@@ -261,7 +261,7 @@ def test_kernels_200_iterations_no_memory_growth_and_20_recreations():
 
 
 def _epoch_wrap_rank(rank, num_ranks, seed):
-    from deep_ep.layout import CREDIT_OFFSET, EPOCH_OFFSET
+    from deep_ep.backends.kernels.layout import CREDIT_OFFSET, EPOCH_OFFSET
 
     buffers = {b: _buffer(b, 128, 2048) for b in ("kernels", "reference")}
     # Start every rank's epoch and credits 3 operations before int32 wraps around

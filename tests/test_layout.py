@@ -1,11 +1,13 @@
-"""deep_ep/layout.py and include/deep_ep/common/layout.cuh + fault.cuh describe the same bytes."""
+"""deep_ep/backends/kernels/layout.py, deep_ep/records.py and include/deep_ep/common/layout.cuh + fault.cuh
+describe the same bytes."""
 
 from __future__ import annotations
 
 import pytest
 from deep_ep.jit import JITCompileError, KernelSpec, compile_spec
 
-from deep_ep import layout
+from deep_ep import records
+from deep_ep.backends.kernels import layout
 from deep_ep.paths import get_include_dir
 
 SHAPES = [(14336, 0, 8), (7168, 224, 8), (7168, 56, 8), (4096, 128, 6), (256, 8, 1), (2048, 64, 32)]
@@ -35,7 +37,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kMaxArrivalBlocks == {layout.MAX_ARRIVAL_BLOCKS});",
         f"static_assert(deep_ep::kMaxGroupInts == {layout.MAX_GROUP_INTS});",
         f"static_assert(deep_ep::kMaxGroupsPerRank == {layout.MAX_GROUPS_PER_RANK});",
-        f"static_assert(deep_ep::kWorkspaceBytes == {layout.WORKSPACE_BYTES});",
+        f"static_assert(deep_ep::kWorkspaceBytes == {records.WORKSPACE_BYTES});",
         f"static_assert(deep_ep::kMaxLocalExperts == {layout.MAX_LOCAL_EXPERTS});",
         f"static_assert(deep_ep::kDispatchScratchInts == {layout.DISPATCH_SCRATCH_INTS});",
         f"static_assert(deep_ep::kErrWords == {len(layout.ERROR_WORDS)});",
@@ -48,7 +50,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kInputRepeated == {layout.INPUT_REPEATED});",
     ]
     for hidden_bytes, scale_bytes, topk in SHAPES:
-        py = layout.DispatchRecordLayout(hidden_bytes, scale_bytes, topk)
+        py = records.DispatchRecordLayout(hidden_bytes, scale_bytes, topk)
         record = f"deep_ep::DispatchRecord<{hidden_bytes}, {scale_bytes}, {topk}>"
         lines += [
             f"static_assert({record}::kBytes == {py.num_bytes});",
@@ -56,7 +58,7 @@ def _assertions(offset_delta: int = 0) -> str:
             f"static_assert({record}::kMetaOffset == {py.meta_offset});",
         ]
     for hidden, rows, topk in COMBINE:
-        py = layout.CombineSlotLayout(hidden, rows, topk)
+        py = records.CombineSlotLayout(hidden, rows, topk)
         slot = f"deep_ep::CombineSlot<{hidden}, {rows}, {topk}>"
         lines += [f"static_assert({slot}::kBytes == {py.num_bytes});",
                   f"static_assert({slot}::kWeightOffset == {py.weight_offset});"]  # fmt: skip
@@ -98,13 +100,13 @@ def test_a_wrong_constant_is_caught(tmp_path):
 
 
 def test_window_size_counts_every_source_block():
-    slot = layout.max_slot_bytes(7168, 8, use_fp8_dispatch=True, allow_multiple_reduction=True)
-    assert slot == layout.DispatchRecordLayout(14336, 0, 8).num_bytes  # the BF16 record is the largest
-    size = layout.window_bytes(2, 8192, slot)
-    assert size % layout.BUFFER_ALIGNMENT == 0
-    assert size >= layout.WORKSPACE_BYTES + 2 * 8192 * slot
-    no_multi = layout.max_slot_bytes(7168, 8, use_fp8_dispatch=False, allow_multiple_reduction=False)
-    assert no_multi == layout.CombineSlotLayout(7168, 8, 8).num_bytes
+    slot = records.max_slot_bytes(7168, 8, use_fp8_dispatch=True, allow_multiple_reduction=True)
+    assert slot == records.DispatchRecordLayout(14336, 0, 8).num_bytes  # the BF16 record is the largest
+    size = records.window_bytes(2, 8192, slot)
+    assert size % records.BUFFER_ALIGNMENT_BYTES == 0
+    assert size >= records.WORKSPACE_BYTES + 2 * 8192 * slot
+    no_multi = records.max_slot_bytes(7168, 8, use_fp8_dispatch=False, allow_multiple_reduction=False)
+    assert no_multi == records.CombineSlotLayout(7168, 8, 8).num_bytes
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 8, 64])

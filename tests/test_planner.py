@@ -234,8 +234,8 @@ def test_detect_hardware_keeps_the_calibrated_rates():
 
 
 def test_buffer_size_hint_is_the_window_layout_and_hybrid_adds_domain_slots():
-    from deep_ep.layout import WORKSPACE_BYTES, max_slot_bytes, window_bytes
-    from deep_ep.nvlink_backend import NvlinkBackend
+    from deep_ep.backends.kernels.backend import NvlinkBackend
+    from deep_ep.records import WORKSPACE_BYTES, max_slot_bytes, window_bytes
 
     class Group:
         def size(self) -> int:

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
-from deep_ep.backend import BUFFER_ALIGNMENT_BYTES, ScaleKind
+from deep_ep.backends.base import ScaleKind, worst_case_num_expanded_tokens
+from deep_ep.backends.reference.backend import ReferenceBackend
 from deep_ep.buffer import select_backend_class
 from deep_ep.event import EventHandle, EventOverlap
-from deep_ep.reference import ReferenceBackend, worst_case_num_expanded_tokens
+from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.utils.routing import uniform_routing
 
 
@@ -32,6 +33,14 @@ def test_lazy_exports() -> None:
     assert deep_ep.EPHandle.__module__ == "deep_ep.handle"
     assert deep_ep.EventOverlap is EventOverlap
     assert issubclass(deep_ep.EPTimeoutError, RuntimeError)
+
+
+def test_public_reference_module_names_the_reference_backend() -> None:
+    import deep_ep.reference
+
+    assert deep_ep.reference.ReferenceBackend is ReferenceBackend
+    assert deep_ep.reference.worst_case_num_expanded_tokens is worst_case_num_expanded_tokens
+    assert all(getattr(deep_ep.reference, name) is not None for name in deep_ep.reference.__all__)
 
 
 def test_attributes_and_hints(group: dist.ProcessGroup) -> None:

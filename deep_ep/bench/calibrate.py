@@ -2,7 +2,7 @@
 
 On every local GPU (one rank each, NCCL, the NVLink kernels), through the public API:
 
-1. the link: our peer-store probe (`deep_ep.nvlink.peer_store`) on m SMs, every rank writing at
+1. the link: our peer-store probe (`deep_ep.backends.kernels.runtime.peer_store`) on m SMs, every rank writing at
    once; the NVLink rate of the model is the probe on all SMs (or, should our kernels move wire
    bytes faster than that over a whole call, their rate);
 2. graph times (CUDA-graph replay, back to back, per call; `deep_ep.bench.timing`) of a fresh
@@ -72,7 +72,7 @@ def measure_rank(rank: int, num_ranks: int, settings: CalibrationSettings) -> di
 
     import deep_ep
 
-    from ..nvlink import peer_store
+    from ..backends.kernels.runtime import peer_store
     from .cases import BenchCase, make_inputs, payload_bytes, random_rows, records_per_rank
     from .runner import calls_per_graph, capture_moe_ops
     from .timing import agree_on_replays, time_eager, time_graphs

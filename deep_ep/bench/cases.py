@@ -123,7 +123,7 @@ def default_config(
     """DeepSeek-V3 shape on GPUs (T=8192/4096/128, H=7168, top-8, 256 experts, FP8 dispatch): one rank
     per GPU, or with one GPU `num_ranks` virtual ranks on it (default 4); a small shape on CPU ranks
     (default 2). Every (dtype, routing, tokens) gets the planner's pick plus the `sms` sweep."""
-    from ..layout import MAX_RANKS
+    from ..backends.kernels.layout import MAX_RANKS
 
     dtypes, routings = dtypes or ["fp8"], routings or ["uniform"]
     if num_ranks is not None and not 2 <= num_ranks <= MAX_RANKS:
@@ -184,10 +184,10 @@ def records_per_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -
 def kernel_specs(config: BenchConfig) -> list:
     """The NVLink kernels `config`'s cases use on `config.num_ranks` GPUs, and the speed-of-light probe:
     `deep-ep bench` compiles them up front (in parallel, with a progress bar) instead of inside the ranks."""
-    from .. import kernels
+    from ..backends.kernels.specs import moe_specs, peer_store_spec
 
-    specs = [kernels.peer_store_spec()]
+    specs = [peer_store_spec()]
     for case in config.cases:
         fp8_scale_bytes = ((case.hidden + 127) // 128 * 4,) if case.fp8_dispatch else ()
-        specs += kernels.moe_specs(config.num_ranks, case.hidden, case.num_topk, case.num_experts, fp8_scale_bytes)
+        specs += moe_specs(config.num_ranks, case.hidden, case.num_topk, case.num_experts, fp8_scale_bytes)
     return list(dict.fromkeys(specs))

@@ -292,7 +292,7 @@ def _prediction(case: BenchCase, num_sms: int, num_ranks: int, device: str, virt
 def _speed_of_light(buffer: Any, sms: list[int], config: BenchConfig, align: Callable[[], None],
                     host_barrier: Callable[[], None]) -> dict[int, float]:  # fmt: skip
     """GB/s per direction of our peer-store probe on each SM count, every rank writing at once."""
-    from ..nvlink import peer_store
+    from ..backends.kernels.runtime import peer_store
 
     runtime = buffer.backend.runtime
     num_bytes = min(256 << 20, (runtime.windows.num_bytes - (1 << 20)) // 16 * 16)

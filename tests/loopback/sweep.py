@@ -40,7 +40,7 @@ def scale_bytes(hidden: int, dtype: str) -> int:
 
 def kernel_specs(num_ranks: int) -> list:
     """Every kernel specialisation the sweep of `num_ranks` ranks can launch."""
-    from deep_ep import kernels
+    from deep_ep.backends.kernels import specs as kernels
 
     specs = [kernels.barrier_spec(num_ranks)]
     for hidden, num_topk, dtypes in SHAPES[num_ranks]:

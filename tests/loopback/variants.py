@@ -89,10 +89,11 @@ KNOCKOUTS = (
         "23 #3: an exception between two launches marks the buffer dead",
         (
             Edit(
-                "deep_ep/nvlink.py",
-                "    def _fail_between_launches(self, op: str, error: BaseException) -> None:\n"
+                "deep_ep/backends/kernels/runtime.py",
+                '        """Mark the buffer dead: `op` raised `error` after its first kernel was launched."""\n'
                 "        if self.dead_reason is None:",
-                "    def _fail_between_launches(self, op: str, error: BaseException) -> None:\n        if False:",
+                '        """Mark the buffer dead: `op` raised `error` after its first kernel was launched."""\n'
+                "        if False:",
             ),
         ),
         _GPU_TESTS + "test_an_exception_between_two_launches_makes_the_buffer_unusable",

@@ -1,8 +1,8 @@
 """The interface between `ElasticBuffer` (the facade) and the objects that move the data.
 
 `ElasticBuffer` validates every argument, owns the communication stream and the events, and then
-hands one normalized request to a backend: `deep_ep.reference.ReferenceBackend` (torch collectives,
-any process group) or `deep_ep.kernels.KernelBackend` (the JIT-compiled NVLink kernels). A backend
+hands one normalized request to a backend: `deep_ep.backends.reference` (torch collectives, any
+process group) or `deep_ep.backends.kernels` (the JIT-compiled NVLink kernels). A backend
 never validates user input again and never touches streams other than the current one.
 
 Notation used below: `N` ranks, this rank `r`, `E` experts, `L = E / N` local experts (rank `r` owns
@@ -30,6 +30,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from deep_ep import planner
+from deep_ep.host_reads import host_list
+from deep_ep.utils.math import align
+
 if TYPE_CHECKING:
     from deep_ep.handle import EPHandle
 
@@ -39,9 +43,6 @@ def loopback_world_of(group: Any) -> Any:
     importing `deep_ep.loopback`, whose import sets CUDA environment variables for virtual ranks)."""
     return getattr(group, "loopback_world", None)
 
-
-# The buffer size granularity (the symmetric memory window is mapped in 2 MiB pages)
-BUFFER_ALIGNMENT_BYTES = 2 << 20
 
 # Scale packs of the TMA-aligned column-major layout are padded to this many tokens
 TMA_ALIGNED_SF_TOKENS = 4
@@ -164,6 +165,34 @@ class DispatchRequest:
         return self.topk_idx.shape[1]
 
 
+def check_topk_idx_values(op: str, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Check the values of a routing table: `-1 <= topk_idx < num_experts` and no repeated expert in
+    a row (one host sync). Raises the `ValueError` that names the first bad value.
+
+    Arguments:
+        op: the call, for the message (`'dispatch'`).
+        topk_idx: `[T, K]` `torch.int64`, on any device.
+        num_experts: `E`.
+    """
+    if topk_idx.numel() == 0:
+        return
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    ordered = topk_idx.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    has_out_of_range, has_repeated = host_list(torch.stack([out_of_range.any(), repeated.any()]))
+    if has_out_of_range:
+        token, lane = (int(v) for v in out_of_range.nonzero()[0].tolist())
+        raise ValueError(
+            f"{op}: `topk_idx` values must be in [-1, {num_experts}) (num_experts = {num_experts}), "
+            f"got {int(topk_idx[token, lane])} at [{token}, {lane}]"
+        )
+    if has_repeated:
+        token = int(repeated.any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"{op}: `topk_idx` rows must not repeat an expert, got row {token} = {topk_idx[token].tolist()}"
+        )
+
+
 @dataclass(frozen=True)
 class DispatchResult:
     """What a backend's dispatch returns (the facade turns it into the V2 return tuple and `EPHandle`).
@@ -219,6 +248,23 @@ class DispatchResult:
     recv_src_metadata: torch.Tensor
     dst_buffer_slot_idx: torch.Tensor
     backend_state: Any
+
+
+def worst_case_num_recv_tokens(num_ranks: int, num_max_tokens_per_rank: int) -> int:
+    """Rows of the non-expanded outputs without CPU sync: every rank sends all its tokens here."""
+    return num_ranks * num_max_tokens_per_rank
+
+
+def worst_case_num_expanded_tokens(
+    num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int, expert_alignment: int
+) -> int:
+    """Rows of the expanded outputs without CPU sync (DeepEP V2's bound).
+
+    Every token brings at most `min(K, L)` (token, local expert) pairs and every expert's block adds
+    at most `a - 1` padding rows: `align(N * Tmax * min(K, L) + L * (a - 1), a)`.
+    """
+    num_rows = num_ranks * num_max_tokens_per_rank * min(num_topk, num_local_experts)
+    return align(num_rows + num_local_experts * (expert_alignment - 1), expert_alignment)
 
 
 @dataclass(frozen=True)
@@ -287,6 +333,12 @@ class EPBackend(abc.ABC):
         self.config = config
 
     @classmethod
+    def is_supported(cls, group: dist.ProcessGroup) -> bool:
+        """Whether this backend can serve `group`, from this rank (local answer, no communication);
+        any group by default."""
+        return True
+
+    @classmethod
     def get_buffer_size_hint(
         cls,
         group: dist.ProcessGroup,
@@ -299,8 +351,6 @@ class EPBackend(abc.ABC):
     ) -> int:
         """Return the buffer bytes for the MoE shape (2 MiB aligned; `deep_ep.planner.buffer_size_hint`:
         the NVLink window layout, so a buffer sized here also fits the kernels); no communication."""
-        from deep_ep import planner
-
         return planner.buffer_size_hint(
             group.size(), num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
             allow_multiple_reduction,

@@ -1,12 +1,12 @@
-"""Byte layout of the symmetric window, the token records and the error block.
+"""Byte layout of the window's workspace, the dispatch scratch and the error block, and the launch
+sizes built on them.
 
-Mirrors `include/deep_ep/common/layout.cuh` and `fault.cuh`; `tests/test_layout.py` compiles the
-headers with these values in `static_assert`s, so the two cannot drift apart.
+Mirrors `include/deep_ep/common/layout.cuh` and `fault.cuh` (the token records, the combine slots
+and the window size are `deep_ep.records`); `tests/test_layout.py` compiles the headers with these
+values in `static_assert`s, so the two cannot drift apart.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 MAX_RANKS = 64
 MAX_CHANNELS = 256
@@ -28,8 +28,6 @@ OP_SIGNATURE_OFFSET = PEER_WINDOWS_OFFSET + MAX_RANKS * 8
 RECV_EXPERT_COUNT_OFFSET = 128 * 1024
 ARRIVAL_OFFSET = 384 * 1024
 MAX_ARRIVAL_BLOCKS = 512  # arrival counters per source rank
-WORKSPACE_BYTES = 512 * 1024
-BUFFER_ALIGNMENT = 2 * 1024 * 1024
 # int32 words of a fresh dispatch's device scratch (grid barrier, per-CTA flags, per-(group, rank)
 # counts, per-expert counts); the groups' first slots live in each CTA's shared memory
 MAX_GROUP_INTS = 4096
@@ -56,10 +54,6 @@ PHASES = {
 }
 
 
-def align(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
-
-
 def arrival_block(num_max_tokens_per_rank: int) -> int:
     """Slots per arrival counter: small blocks let the epilogue start early, and every source's
     `num_max_tokens_per_rank` slots must fit `MAX_ARRIVAL_BLOCKS` counters."""
@@ -74,62 +68,3 @@ def tokens_per_group(num_tokens: int, num_ranks: int) -> int:
     num_pieces = -(-max(num_tokens, 1) // 32)
     max_groups = min(MAX_GROUPS_PER_RANK, MAX_GROUP_INTS // num_ranks)
     return 32 * -(-num_pieces // max_groups)
-
-
-@dataclass(frozen=True)
-class DispatchRecordLayout:
-    """One dispatched token in the window: hidden bytes, scales, top-k ids/weights, source index;
-    128-byte aligned."""
-
-    hidden_bytes: int
-    scale_bytes: int
-    num_topk: int
-
-    @property
-    def scale_offset(self) -> int:
-        return self.hidden_bytes
-
-    @property
-    def meta_offset(self) -> int:
-        return self.scale_offset + align(self.scale_bytes, 16)
-
-    @property
-    def num_bytes(self) -> int:
-        return align(self.meta_offset + align(self.num_topk * 8 + 4, 16), 128)
-
-
-@dataclass(frozen=True)
-class CombineSlotLayout:
-    """One combine slot: `num_rows` BF16 rows, then the token's top-k weights."""
-
-    hidden: int
-    num_rows: int
-    num_topk: int
-
-    @property
-    def weight_offset(self) -> int:
-        return self.num_rows * self.hidden * 2
-
-    @property
-    def num_bytes(self) -> int:
-        return self.weight_offset + align(self.num_topk * 4, 16)
-
-
-def window_bytes(num_ranks: int, num_max_tokens_per_rank: int, slot_bytes: int) -> int:
-    """Window size: the workspace plus one slot block per source rank, 2 MiB aligned."""
-    return align(WORKSPACE_BYTES + num_ranks * num_max_tokens_per_rank * slot_bytes, BUFFER_ALIGNMENT)
-
-
-def max_slot_bytes(hidden: int, num_topk: int, use_fp8_dispatch: bool, allow_multiple_reduction: bool) -> int:
-    """The larger of a dispatch record and a combine slot for this MoE shape (they share memory).
-
-    A BF16 record is always accounted for, so a buffer sized for FP8 also takes BF16 dispatches.
-    Without multiple reduction an expanded combine sends one row per local top-k lane.
-    """
-    num_scale_bytes = (hidden + 127) // 128 * 4 if use_fp8_dispatch else 0
-    record = max(
-        DispatchRecordLayout(hidden * 2, 0, num_topk).num_bytes,
-        DispatchRecordLayout(hidden, num_scale_bytes, num_topk).num_bytes,
-    )
-    rows = 1 if allow_multiple_reduction else max(1, num_topk)
-    return max(record, CombineSlotLayout(hidden, rows, num_topk).num_bytes)

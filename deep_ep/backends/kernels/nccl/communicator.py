@@ -11,7 +11,8 @@ import ctypes
 import torch
 import torch.distributed as dist
 
-from ..errors import NCCLError
+from deep_ep.errors import NCCLError
+
 from .library import NCCL_UNIQUE_ID_BYTES, UniqueId, get_nccl_library
 
 

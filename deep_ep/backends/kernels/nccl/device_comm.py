@@ -50,7 +50,7 @@ extern "C" int ep_dev_comm_destroy(ncclComm_t comm, const void* bytes) {
 
 @functools.cache
 def _shim() -> ctypes.CDLL:
-    from ..jit import load_host_library
+    from deep_ep.jit import load_host_library
 
     lib = load_host_library("deep_ep_nccl_shim", _SHIM_SOURCE, use_nccl=True)
     lib.ep_dev_comm_create.argtypes = [

@@ -3,7 +3,7 @@
 Torch loads libnccl when it is imported; a second, different libnccl in the same process would
 own different communicators and symmetric memory, so we never load one of our own choosing while
 another is mapped. Only the C API with stable signatures is bound here; the version-dependent
-device-communicator structs go through the JIT-built shim (`deep_ep.nccl.device_comm`).
+device-communicator structs go through the JIT-built shim (`deep_ep.backends.kernels.nccl.device_comm`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import ctypes
 import functools
 from pathlib import Path
 
-from ..errors import NCCLError
+from deep_ep.errors import NCCLError
 
 NCCL_WIN_COLL_SYMMETRIC = 0x01
 NCCL_UNIQUE_ID_BYTES = 128
@@ -70,7 +70,7 @@ def get_nccl_library() -> NcclLibrary:
     """
     import torch  # noqa: F401  (torch maps its libnccl at import: bind that very file)
 
-    from ..jit.nccl_headers import check_versions
+    from deep_ep.jit.nccl_headers import check_versions
 
     install = check_versions()
     if install.lib_path is None:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..jit import I32, U64
+from deep_ep.jit import I32, U64
+
+from .. import specs
 from .communicator import Communicator, torch_comm_ptr
 from .device_comm import DeviceCommunicator
 from .window import SymmetricWindow
 
 
 class NcclPeerWindows:
-    """`deep_ep.nvlink.PeerWindows` over NCCL: a communicator, a device communicator (which checks
+    """`deep_ep.backends.kernels.transport.PeerWindows` over NCCL: a communicator, a device communicator (which checks
     that the group is one LSA domain) and a symmetric window.
 
     Arguments:
@@ -43,10 +45,8 @@ class NcclPeerWindows:
         self.peer_ptrs = self._lsa_pointers()
 
     def _lsa_pointers(self) -> list[int]:
-        from .. import kernels
-
         out = torch.zeros(self.num_ranks, dtype=torch.int64, device="cuda")
-        kernels.load(kernels.nccl_peer_pointers_spec()).launch(
+        specs.load(specs.nccl_peer_pointers_spec()).launch(
             grid=(1,), block=(32,), args=(U64(self.window.handle), I32(self.num_ranks), out)
         )
         pointers = out.tolist()

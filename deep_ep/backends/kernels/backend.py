@@ -3,43 +3,25 @@ or the virtual ranks of one GPU)."""
 
 from __future__ import annotations
 
-import os
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from .backend import (
+from deep_ep.backends.base import (
     BufferConfig,
     CombineRequest,
     CombineResult,
     DispatchRequest,
     DispatchResult,
     EPBackend,
-    loopback_world_of,
 )
-from .layout import MAX_LOCAL_EXPERTS, MAX_RANKS
-from .nvlink import DeviceShare, NvlinkRuntime
 
-
-def is_supported(group: dist.ProcessGroup) -> bool:
-    """Whether `group` looks like one NVLink domain from here (local answer, no communication).
-
-    An NCCL group no larger than this host's GPU count, whose GPUs all reach each other, or the
-    virtual ranks of one GPU (`deep_ep.loopback`). The hard check comes at construction: NCCL's LSA
-    team must span exactly the group.
-    """
-    world = loopback_world_of(group)
-    if world is not None:
-        return world.device.type == "cuda" and group.size() <= MAX_RANKS
-    if not torch.cuda.is_available() or "nccl" not in str(dist.get_backend(group)).lower():
-        return False
-    num_devices = torch.cuda.device_count()
-    if group.size() > min(num_devices, MAX_RANKS):
-        return False
-    return all(
-        a == b or torch.cuda.can_device_access_peer(a, b) for a in range(num_devices) for b in range(num_devices)
-    )
+from .combine import run_combine
+from .dispatch import run_dispatch
+from .layout import MAX_LOCAL_EXPERTS
+from .runtime import NvlinkRuntime
+from .transport import choose_transport, open_transport
 
 
 class NvlinkBackend(EPBackend):
@@ -50,24 +32,15 @@ class NvlinkBackend(EPBackend):
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
-        world = loopback_world_of(group)
-        if world is not None:
-            share = world.device_share(group.rank())
-
-            def open_windows():
-                return world.open_windows(group.rank(), config.num_bytes)
-        else:
-            from .nccl.peer_windows import NcclPeerWindows
-
-            share = DeviceShare.whole_device()
-            # EP_NCCL_OWN_COMM=1: our own NCCL communicator instead of borrowing torch's
-            own_comm = os.environ.get("EP_NCCL_OWN_COMM", "0") == "1"
-
-            def open_windows():
-                return NcclPeerWindows(group, config.num_bytes, own_comm)
-
-        self.runtime = NvlinkRuntime(open_windows, share, num_gpu_timeout_secs=config.num_gpu_timeout_secs,
+        transport = open_transport(group, config.num_bytes)
+        self.runtime = NvlinkRuntime(transport.open_windows, transport.share,
+                                     num_gpu_timeout_secs=config.num_gpu_timeout_secs,
                                      num_cpu_timeout_secs=config.num_cpu_timeout_secs)  # fmt: skip
+
+    @classmethod
+    def is_supported(cls, group: dist.ProcessGroup) -> bool:
+        """Whether some transport reaches every peer of `group` from here (`transport.choose_transport`)."""
+        return choose_transport(group).supported
 
     @property
     def dead_reason(self) -> str | None:
@@ -79,7 +52,8 @@ class NvlinkBackend(EPBackend):
             raise ValueError(f"dispatch: at most {MAX_LOCAL_EXPERTS} local experts, got {num_local_experts}")
         handle = request.cached_handle
         scales = None if request.scales is None else request.scales.contiguous()
-        out = self.runtime.dispatch(
+        out = run_dispatch(
+            self.runtime,
             torch.cuda.current_stream(),
             request.x,
             scales,
@@ -123,7 +97,8 @@ class NvlinkBackend(EPBackend):
 
     def combine(self, request: CombineRequest) -> CombineResult:
         handle = request.handle
-        combined_x, combined_w = self.runtime.combine(
+        combined_x, combined_w = run_combine(
+            self.runtime,
             torch.cuda.current_stream(),
             request.x,
             request.topk_weights,

@@ -13,8 +13,8 @@ import ctypes
 import functools
 import zlib
 
-from .jit import KernelSpec, get_kernel
-from .paths import get_include_dir
+from deep_ep.jit import KernelSpec, get_kernel
+from deep_ep.paths import get_include_dir
 
 NUM_THREADS = 512
 NUM_EXPAND_RANK_THREADS = 1024
@@ -130,8 +130,8 @@ class CombineEpilogueArgs(ctypes.Structure):
     ]
 
 
-# Spec builders are memoized: building a KernelSpec resolves include paths on disk (~0.1 ms),
-# which would otherwise be paid by every kernel of every dispatch and combine.
+# Spec builders are memoized: building a KernelSpec resolves include paths on disk, which would
+# otherwise be paid by every kernel of every dispatch and combine.
 def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = False) -> KernelSpec:
     return KernelSpec(
         header=f"deep_ep/kernels/{kernel}.cuh",
@@ -242,13 +242,3 @@ def warmup_specs() -> list[KernelSpec]:
         fp8 = ((hidden // 128) * 4, (hidden // 512) * 4)
         specs += moe_specs(2, hidden, 8, 256, fp8)
     return list(dict.fromkeys(specs))
-
-
-def __getattr__(name: str):
-    # The backend built on these specs lives in deep_ep.nvlink_backend (which imports this module);
-    # the facade finds it here, so it is re-exported lazily to keep the import graph acyclic.
-    if name in ("KernelBackend", "is_supported"):
-        from . import nvlink_backend
-
-        return nvlink_backend.NvlinkBackend if name == "KernelBackend" else nvlink_backend.is_supported
-    raise AttributeError(f"module 'deep_ep.kernels' has no attribute {name!r}")

@@ -1,0 +1,105 @@
+"""The launch sequence of one combine on the kernels backend:
+
+    combine (NVLink) -> combine epilogue
+
+The epilogue is launched with programmatic dependent launch, follows the holders' arrival counters
+and reduces what has landed while the rest is still on the wire; it always runs, even on a rank
+with no tokens, because it posts this rank's window credit (credits.cuh).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deep_ep.jit import Opaque
+from deep_ep.records import CombineSlotLayout
+
+from . import specs
+from .dispatch import NvlinkDispatchState
+from .layout import arrival_block
+from .runtime import NvlinkRuntime, data_ptr, rows_per_task
+
+
+def run_combine(
+    runtime: NvlinkRuntime,
+    stream: torch.cuda.Stream,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    bias_0: torch.Tensor | None,
+    bias_1: torch.Tensor | None,
+    topk_idx: torch.Tensor,
+    recv_src_metadata: torch.Tensor,
+    psum_num_recv_tokens_per_rank: torch.Tensor,
+    state: NvlinkDispatchState,
+    num_experts: int,
+    num_max_tokens_per_rank: int,
+    num_sms: int,
+    do_expand: bool,
+    allow_multiple_reduction: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run one combine of `runtime`'s buffer on `stream`.
+
+    Arguments:
+        runtime: the buffer's runtime (windows, error block, share of the GPU).
+        stream: the stream both kernels go on (the current one).
+        x: `[rows, hidden]` BF16 (rows of the dispatch's `recv_x`).
+        topk_weights: `[rows, num_topk]` (plain) or `[rows]` (expanded) float32, or None.
+        bias_0, bias_1: `[num_tokens, hidden]` BF16, or None.
+        topk_idx: the dispatching rank's `[num_tokens, num_topk]` int64 routing (from the handle).
+        recv_src_metadata: `[meta rows, 2 + num_topk]` int32 (from the handle).
+        psum_num_recv_tokens_per_rank: `[num_ranks]` int32 (from the handle).
+
+    Returns:
+        combined_x: `[num_tokens, hidden]` BF16.
+        combined_topk_weights: `[num_tokens, num_topk]` float32, or None.
+    """
+    runtime.check_error()
+    num_tokens, num_topk = topk_idx.shape
+    hidden = x.shape[1]
+    num_local_experts = num_experts // runtime.num_ranks
+    num_rows = min(num_topk, num_local_experts) if (do_expand and not allow_multiple_reduction) else 1
+    slot = CombineSlotLayout(hidden, num_rows, num_topk)
+    runtime.check_capacity(slot.num_bytes, num_max_tokens_per_rank, "combine")
+    num_sms = runtime.comm_grid(num_sms)
+    combine_kernel, epilogue_kernel = runtime.share.load([
+        specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand),
+        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows),
+    ])  # fmt: skip
+    op_hash = specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk)
+    arrival_slots = arrival_block(num_max_tokens_per_rank)
+    empty = runtime.share.empty
+    combined_x = empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
+    combined_w = None
+    if topk_weights is not None:
+        combined_w = empty((num_tokens, num_topk), dtype=torch.float32, device=x.device)
+
+    combine_args = specs.CombineArgs(
+        window_base=runtime.windows.ptr, x=data_ptr(x), topk_weights=data_ptr(topk_weights),
+        recv_src_metadata=data_ptr(recv_src_metadata),
+        psum_num_recv_tokens_per_rank=data_ptr(psum_num_recv_tokens_per_rank), num_x_rows=x.shape[0],
+        num_meta_rows=recv_src_metadata.shape[0], num_max_tokens_per_rank=num_max_tokens_per_rank,
+        rank=runtime.rank, rows_per_task=rows_per_task(num_tokens * runtime.num_ranks, num_sms, 2),
+        arrival_block=arrival_slots, op_hash=op_hash, error_block=data_ptr(runtime.error_block),
+        timeout_ns=runtime.timeout_ns)  # fmt: skip
+    combine_kernel.launch(grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
+                          args=(Opaque(bytes(combine_args)),))  # fmt: skip
+    try:
+        # Always, even with no tokens here: the epilogue posts our window credit (credits.cuh)
+        epilogue_args = specs.CombineEpilogueArgs(
+            window_base=runtime.windows.ptr, topk_idx=data_ptr(topk_idx), slot_idx=data_ptr(state.slot_idx),
+            bias_0=data_ptr(bias_0), bias_1=data_ptr(bias_1), combined_x=data_ptr(combined_x),
+            combined_topk_weights=data_ptr(combined_w), local_x=0 if do_expand else data_ptr(x),
+            local_topk_weights=0 if do_expand else data_ptr(topk_weights),
+            psum_num_recv_tokens_per_rank=data_ptr(psum_num_recv_tokens_per_rank),
+            num_tokens_per_rank=data_ptr(state.num_tokens_per_rank), num_local_rows=x.shape[0],
+            num_tokens=num_tokens, num_max_tokens_per_rank=num_max_tokens_per_rank,
+            num_experts_per_rank=num_local_experts, rank=runtime.rank, arrival_block=arrival_slots, op_hash=op_hash,
+            error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
+        grid = runtime.grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
+        epilogue_kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream,
+                               args=(Opaque(bytes(epilogue_args)),), pdl=True)  # fmt: skip
+    except BaseException as error:
+        runtime.fail_between_launches("combine", error)
+        raise
+    runtime.take_input_error()
+    return combined_x, combined_w

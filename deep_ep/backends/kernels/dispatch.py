@@ -1,0 +1,272 @@
+"""The launch sequence of one dispatch on the kernels backend:
+
+    fresh:  dispatch (layout + NVLink + counts) -> [expand ranks] -> [host waits for counts] -> epilogue
+    cached: dispatch (NVLink) -> epilogue            (slots and counts from the handle)
+
+The epilogue is launched with programmatic dependent launch and follows the senders' arrival
+counters, so it runs while the data is still on the wire. Without CPU sync nothing waits on the
+host, so the sequence can be captured in a CUDA graph. Every kernel is loaded, and every output
+whose shape is known allocated, before the first launch (see `deep_ep.backends.kernels.runtime`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deep_ep.backends.base import check_topk_idx_values, worst_case_num_expanded_tokens
+from deep_ep.jit import I32, U64, Opaque
+from deep_ep.records import DispatchRecordLayout
+from deep_ep.utils.math import align
+
+from . import specs
+from .layout import arrival_block, tokens_per_group
+from .runtime import NvlinkRuntime, data_ptr, rows_per_task
+
+
+@dataclass
+class NvlinkDispatchState:
+    """What a handle keeps for combine and cached dispatch (device tensors, no host sync needed)."""
+
+    slot_idx: torch.Tensor  # [num_tokens, num_ranks] int32, -1 where the token skips a rank
+    num_tokens_per_rank: torch.Tensor  # [num_ranks] int32, tokens sent to each rank
+    num_out_rows: int  # rows of recv_x (exact with CPU sync, worst case without)
+    num_meta_rows: int  # rows of recv_src_metadata
+    num_expanded_rows: int  # rows of the expanded layout (reported in both modes)
+
+
+def _dispatch_outputs(
+    runtime: NvlinkRuntime, num_out_rows: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_topk: int,
+    has_weights: bool, do_expand: bool, col_major_scales: bool, num_local_experts: int,
+) -> dict:  # fmt: skip
+    """The output tensors of one dispatch with `num_out_rows` rows (exact or worst case)."""
+    empty, device = runtime.share.empty, x.device
+    out: dict[str, Any] = {"recv_x": empty((num_out_rows, x.shape[1]), dtype=x.dtype, device=device)}
+    out["recv_scales"], out["scale_col_stride"] = None, 0
+    if x_scales is not None:
+        num_scales = x_scales.shape[1]
+        if col_major_scales:
+            out["scale_col_stride"] = align(num_out_rows, 4)
+            storage = empty((num_scales * out["scale_col_stride"],), dtype=x_scales.dtype, device=device)
+            out["recv_scales"] = storage.as_strided((num_out_rows, num_scales), (1, out["scale_col_stride"]))
+        else:
+            out["recv_scales"] = empty((num_out_rows, num_scales), dtype=x_scales.dtype, device=device)
+    out["recv_topk_idx"] = None if do_expand else empty((num_out_rows, num_topk), dtype=torch.int64, device=device)
+    out["recv_topk_weights"] = None
+    if has_weights:
+        shape = (num_out_rows,) if do_expand else (num_out_rows, num_topk)
+        out["recv_topk_weights"] = empty(shape, dtype=torch.float32, device=device)
+    out["psum_num_recv_tokens_per_rank"] = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
+    out["psum_num_recv_tokens_per_expert"] = empty((num_local_experts,), dtype=torch.int32, device=device)
+    return out
+
+
+def run_dispatch(
+    runtime: NvlinkRuntime,
+    stream: torch.cuda.Stream,
+    x: torch.Tensor,
+    x_scales: torch.Tensor | None,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    num_experts: int,
+    num_max_tokens_per_rank: int,
+    expert_alignment: int,
+    num_sms: int,
+    do_cpu_sync: bool,
+    do_expand: bool,
+    do_zero_padding: bool,
+    use_tma_aligned_col_major_sf: bool,
+    cumulative_stats: torch.Tensor | None,
+    cached: NvlinkDispatchState | None,
+    cached_num_recv_tokens_per_expert: torch.Tensor | None = None,
+    cached_recv_src_metadata: torch.Tensor | None = None,
+) -> dict:
+    """Run one dispatch of `runtime`'s buffer on `stream`; returns the output tensors and the new handle state.
+
+    Arguments:
+        runtime: the buffer's runtime (windows, error block, count blocks, share of the GPU).
+        stream: the stream every kernel of the dispatch goes on (the current one).
+        x: `[num_tokens, hidden]` BF16, or FP8 (`torch.float8_e4m3fn`) with `x_scales`.
+        x_scales: `[num_tokens, num_scales]` float32 (per 128) or int32 (packed UE8M0), or None.
+        topk_idx: `[num_tokens, num_topk]` int64 global expert ids, -1 for none.
+        topk_weights: `[num_tokens, num_topk]` float32, or None.
+        cumulative_stats: `[num_local_experts]` int32, incremented in place, or None.
+        cached: the state of a previous dispatch with the same routing, or None.
+
+    Returns:
+        A dict of `recv_x`, `recv_scales`, `recv_topk_idx`, `recv_topk_weights`,
+        `recv_src_metadata`, `psum_num_recv_tokens_per_rank`, `num_recv_tokens_per_expert`,
+        `psum_num_recv_tokens_per_expert`, `num_recv_tokens_per_expert_host` (list or None),
+        `num_recv_tokens` (int), `num_out_rows` (int), `dst_slot_idx` and `state`.
+    """
+    runtime.check_error()
+    num_tokens, num_topk = topk_idx.shape
+    hidden_bytes = x.shape[1] * x.element_size()
+    scale_bytes = 0 if x_scales is None else x_scales.shape[1] * 4
+    num_local_experts = num_experts // runtime.num_ranks
+    record = DispatchRecordLayout(hidden_bytes, scale_bytes, num_topk)
+    runtime.check_capacity(record.num_bytes, num_max_tokens_per_rank, "dispatch")
+    device = x.device
+    args_common = (runtime.num_ranks, hidden_bytes, scale_bytes, num_topk)
+    num_sms = runtime.comm_grid(num_sms)
+    fresh = cached is None
+    expand_ranks = fresh and do_expand
+    kernel_specs = [specs.dispatch_spec(*args_common, not fresh)]
+    if expand_ranks:
+        kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common))
+    kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand))
+    loaded = runtime.share.load(kernel_specs)
+    dispatch_kernel, epilogue_kernel = loaded[0], loaded[-1]
+    op_hash = specs.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk)
+    arrival_slots = arrival_block(num_max_tokens_per_rank)
+    max_recv = runtime.num_ranks * num_max_tokens_per_rank
+    empty = runtime.share.empty
+
+    counts_list, expand_scratch, dst_slot_idx = None, None, None
+    if fresh:
+        slot_idx = empty((num_tokens, runtime.num_ranks), dtype=torch.int32, device=device)
+        dst_slot_idx = empty((num_tokens, num_topk), dtype=torch.int32, device=device)
+        num_tokens_per_rank = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
+        num_recv_per_expert = empty((num_local_experts,), dtype=torch.int32, device=device)
+        if expand_ranks:
+            expand_scratch = runtime.expand_rank_scratch(max_recv * num_topk)
+        runtime.num_experts_checked = num_experts
+    else:
+        slot_idx, num_tokens_per_rank = cached.slot_idx, cached.num_tokens_per_rank
+        num_recv_per_expert = cached_num_recv_tokens_per_expert
+        if cumulative_stats is not None:
+            cumulative_stats.add_(num_recv_per_expert)
+
+    # Without a host wait every shape is known now: allocate before the first launch
+    state = outputs = recv_src_metadata = None
+    if not fresh:
+        state, recv_src_metadata = cached, cached_recv_src_metadata
+    elif not do_cpu_sync:
+        num_expanded_rows = worst_case_num_expanded_tokens(
+            runtime.num_ranks, num_max_tokens_per_rank, num_topk, num_local_experts, expert_alignment
+        )
+        num_out_rows = num_expanded_rows if do_expand else max_recv
+        state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, max_recv, num_expanded_rows)
+        recv_src_metadata = empty((max_recv, 2 + num_topk), dtype=torch.int32, device=device)
+    if state is not None:
+        outputs = _dispatch_outputs(runtime, state.num_out_rows, x, x_scales, num_topk, topk_weights is not None,
+                                    do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
+
+    dispatch_args = specs.DispatchArgs(
+        window_base=runtime.windows.ptr, x=data_ptr(x), x_scales=data_ptr(x_scales), topk_idx=data_ptr(topk_idx),
+        topk_weights=data_ptr(topk_weights), slot_idx=data_ptr(slot_idx), dst_slot_idx=data_ptr(dst_slot_idx),
+        layout_scratch=data_ptr(runtime.dispatch_scratch), num_tokens_per_rank=data_ptr(num_tokens_per_rank),
+        num_recv_tokens_per_expert=data_ptr(num_recv_per_expert),
+        counts_out=data_ptr(runtime.device_counts) if (fresh and do_cpu_sync) else 0,
+        cumulative_stats=data_ptr(cumulative_stats) if fresh else 0, num_tokens=num_tokens,
+        num_max_tokens_per_rank=num_max_tokens_per_rank, rank=runtime.rank, num_experts_per_rank=num_local_experts,
+        tokens_per_group=tokens_per_group(num_tokens, runtime.num_ranks),
+        tokens_per_task=rows_per_task(num_tokens, num_sms, 4), arrival_block=arrival_slots, op_hash=op_hash,
+        error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
+    # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
+    # makes the driver guarantee it (or refuse), whatever else holds SMs
+    dispatch_kernel.launch(grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
+                           args=(Opaque(bytes(dispatch_args)),), cooperative=fresh)  # fmt: skip
+
+    rejected = False
+    try:
+        if expand_ranks:
+            num_grid_sms = num_sms if runtime.share.exclusive else runtime.num_device_sms
+            expand_grid = max(1, min(num_local_experts, num_grid_sms))
+            loaded[1].launch(
+                grid=(expand_grid,), block=(specs.NUM_EXPAND_RANK_THREADS,), stream=stream,
+                args=(U64(runtime.windows.ptr), I32(num_max_tokens_per_rank), I32(runtime.rank),
+                      I32(num_local_experts), U64(data_ptr(expand_scratch)), I32(arrival_slots), I32(op_hash),
+                      U64(data_ptr(runtime.error_block)), U64(runtime.timeout_ns)))  # fmt: skip
+        if state is None:
+            num_words = runtime.num_ranks + num_local_experts + 1
+            runtime.host_counts[:num_words].copy_(runtime.device_counts[:num_words], non_blocking=True)
+            runtime.wait(stream, "dispatch counts")
+            counts = runtime.host_counts[:num_words].tolist()
+            if counts[-1]:
+                # Our routing was rejected on the device (nothing sent), but peers sent us theirs
+                _drain_dispatch(runtime, epilogue_kernel, stream, num_max_tokens_per_rank, num_local_experts,
+                                arrival_slots, op_hash)  # fmt: skip
+                rejected = True
+            else:
+                num_recv_tokens = sum(counts[: runtime.num_ranks])
+                counts_list = [align(c, expert_alignment) for c in counts[runtime.num_ranks : -1]]
+                num_expanded_rows = sum(counts_list)
+                num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
+                state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_recv_tokens,
+                                            num_expanded_rows)  # fmt: skip
+                recv_src_metadata = empty((num_recv_tokens, 2 + num_topk), dtype=torch.int32, device=device)
+                outputs = _dispatch_outputs(runtime, num_out_rows, x, x_scales, num_topk, topk_weights is not None,
+                                            do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
+        if not rejected:
+            # The epilogue runs next to the dispatch kernel unless a host wait (CPU sync) came
+            # between; in an exclusive share its SMs count as busy anyway (it may still be sending)
+            num_busy_sms = 0 if (fresh and do_cpu_sync and not runtime.share.exclusive) else num_sms
+            _launch_dispatch_epilogue(runtime, epilogue_kernel, stream, x, x_scales, state, outputs,
+                                      recv_src_metadata, num_recv_per_expert, expand_scratch, cached,
+                                      num_max_tokens_per_rank, num_local_experts, expert_alignment,
+                                      do_zero_padding, arrival_slots, op_hash, num_busy_sms)  # fmt: skip
+    except BaseException as error:
+        runtime.fail_between_launches("dispatch", error)
+        raise
+    if rejected:
+        # The device's record of the first bad value, else the host finds it
+        runtime.take_input_error()
+        check_topk_idx_values("dispatch", topk_idx, num_experts)
+        raise ValueError(f"dispatch: `topk_idx` must hold distinct expert ids in [-1, {num_experts}) per row")
+    runtime.take_input_error()
+    return {
+        **{name: outputs[name] for name in ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")},
+        "recv_src_metadata": recv_src_metadata,
+        "psum_num_recv_tokens_per_rank": outputs["psum_num_recv_tokens_per_rank"],
+        "num_recv_tokens_per_expert": num_recv_per_expert,
+        "psum_num_recv_tokens_per_expert": outputs["psum_num_recv_tokens_per_expert"],
+        "num_recv_tokens_per_expert_host": counts_list,
+        "num_recv_tokens": state.num_meta_rows,
+        "num_out_rows": state.num_out_rows,
+        "dst_slot_idx": dst_slot_idx,
+        "state": state,
+    }
+
+
+def _launch_dispatch_epilogue(
+    runtime: NvlinkRuntime, kernel: Any, stream: torch.cuda.Stream, x: torch.Tensor,
+    x_scales: torch.Tensor | None, state: NvlinkDispatchState, outputs: dict, recv_src_metadata: torch.Tensor,
+    num_recv_per_expert: torch.Tensor, expand_scratch: torch.Tensor | None, cached: NvlinkDispatchState | None,
+    num_max_tokens_per_rank: int, num_local_experts: int, expert_alignment: int, do_zero_padding: bool,
+    arrival_slots: int, op_hash: int, num_busy_sms: int,
+) -> None:  # fmt: skip
+    """Launch the dispatch epilogue: received records into the outputs in the requested layout."""
+    epilogue_args = specs.DispatchEpilogueArgs(
+        window_base=runtime.windows.ptr, x=data_ptr(x), x_scales=data_ptr(x_scales),
+        num_max_tokens_per_rank=num_max_tokens_per_rank, rank=runtime.rank,
+        num_experts_per_rank=num_local_experts, expert_alignment=expert_alignment,
+        num_out_rows=state.num_out_rows, num_meta_rows=state.num_meta_rows,
+        scale_col_stride=outputs["scale_col_stride"], recv_x=data_ptr(outputs["recv_x"]),
+        recv_scales=data_ptr(outputs["recv_scales"]), recv_topk_idx=data_ptr(outputs["recv_topk_idx"]),
+        recv_topk_weights=data_ptr(outputs["recv_topk_weights"]), recv_src_metadata=data_ptr(recv_src_metadata),
+        psum_num_recv_tokens_per_rank=data_ptr(outputs["psum_num_recv_tokens_per_rank"]),
+        num_recv_tokens_per_expert=data_ptr(num_recv_per_expert),
+        psum_num_recv_tokens_per_expert=data_ptr(outputs["psum_num_recv_tokens_per_expert"]),
+        expand_rank_in_expert=data_ptr(expand_scratch), is_cached=int(cached is not None),
+        do_zero_padding=int(do_zero_padding), arrival_block=arrival_slots, op_hash=op_hash,
+        error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
+    grid = runtime.grid_for_rows(state.num_meta_rows, num_busy_sms)
+    kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),),
+                  pdl=True)  # fmt: skip
+
+
+def _drain_dispatch(
+    runtime: NvlinkRuntime, kernel: Any, stream: torch.cuda.Stream, num_max_tokens_per_rank: int,
+    num_local_experts: int, arrival_slots: int, op_hash: int,
+) -> None:  # fmt: skip
+    """Our input was rejected, but peers sent us their records: wait for them all and return the
+    arrival counters to zero (the epilogue with no outputs), so the buffer stays usable."""
+    drain_args = specs.DispatchEpilogueArgs(
+        window_base=runtime.windows.ptr, num_max_tokens_per_rank=num_max_tokens_per_rank, rank=runtime.rank,
+        num_experts_per_rank=num_local_experts, expert_alignment=1, drain_only=1, arrival_block=arrival_slots,
+        op_hash=op_hash, error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
+    kernel.launch(grid=(1,), block=(specs.NUM_THREADS,), stream=stream, args=(Opaque(bytes(drain_args)),),
+                  pdl=True)  # fmt: skip

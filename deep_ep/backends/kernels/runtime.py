@@ -1,0 +1,256 @@
+"""The runtime of one buffer on the kernels backend: its resources, host waits and device faults.
+
+One `NvlinkRuntime` per `ElasticBuffer` whose ranks reach each other's windows by loads and stores
+(`deep_ep.backends.kernels.transport`). It takes the windows (`PeerWindows`) and the part of the GPU
+the rank's kernels may use (`DeviceShare`), owns the host-mapped error block, the count blocks and
+the dispatch scratch, waits on the host with a deadline, turns what a kernel recorded in the error
+block into exceptions, and runs the barrier. The launch sequences of dispatch and combine are
+`deep_ep.backends.kernels.dispatch` and `deep_ep.backends.kernels.combine`.
+
+Epilogues end by posting this rank's window credit, which the peers' next communication kernel
+waits for instead of an entry barrier. Every kernel of an operation is loaded, and every output
+whose shape is known allocated, before its first launch: an exception after it would leave the
+window half-way through an operation, so one marks the buffer dead (`dead_reason`) instead of
+letting a retry run at the same epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from deep_ep.errors import EPError, EPOperationMismatchError, EPTimeoutError
+from deep_ep.host_reads import wait_for_stream
+from deep_ep.jit import I32, U64
+from deep_ep.records import WORKSPACE_BYTES
+
+from . import specs
+from .layout import (
+    DISPATCH_SCRATCH_INTS,
+    ERROR_REPORTED_BY_PEER,
+    ERROR_WORDS,
+    INPUT_OUT_OF_RANGE,
+    MAX_LOCAL_EXPERTS,
+    MAX_RANKS,
+    NUM_RANKS_OFFSET,
+    PEER_WINDOWS_OFFSET,
+    PHASES,
+    RANK_OFFSET,
+)
+from .transport import DeviceShare, PeerWindows
+
+# How long a host wait busy-polls before it starts sleeping between polls
+_SPIN_S = 0.05
+# The error block words of an input error (`report_input_error` in fault.cuh)
+_INPUT_WORDS = slice(ERROR_WORDS.index("input_status"), len(ERROR_WORDS))
+_OP_MISMATCH_PHASE = 8
+
+
+def data_ptr(tensor: torch.Tensor | None) -> int:
+    """The device address of `tensor` (`0` for `None`), as a kernel argument."""
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def rows_per_task(num_rows: int, num_sms: int, max_rows: int) -> int:
+    """Rows (or tokens) a communication warp sends between two releases: one when there are few
+    per warp (decode: spread them over every warp), up to `max_rows` when there are many (each
+    release fence stalls its warp for about one NVLink round trip)."""
+    num_warps = num_sms * (specs.NUM_THREADS // 32)
+    rows = 1
+    while rows < max_rows and num_rows >= 8 * rows * num_warps:
+        rows *= 2
+    return rows
+
+
+def describe_fault(words: dict[str, int], timeout_s: float) -> str:
+    """The text of a device-side failure recorded in an error block (fault.cuh)."""
+    phase = PHASES.get(words["phase"], f"phase {words['phase']}")
+    rank, peer = words["rank"], words["peer"]
+    if words["phase"] == _OP_MISMATCH_PHASE:
+        text = f"rank {peer} ran a different operation than rank {rank}"
+        if words["channel"] >= 0:  # recorded where it was found (a peer's posted fault carries no words)
+            text += f" (signature {words['observed'] & 0xFFFFFFFF:#x}, expected {words['expected'] & 0xFFFFFFFF:#x})"
+        text += ": the ranks' sequences of dispatches and combines diverged"
+    else:
+        text = f"{phase} timed out on rank {rank} waiting for rank {peer} after {timeout_s:g} s"
+        if words["channel"] >= 0:
+            text += f" (channel {words['channel']}, counter {words['observed']}, expected >= {words['expected']})"
+    if words["status"] == ERROR_REPORTED_BY_PEER:
+        text += f"; rank {rank} told rank {words['reporter']}"
+    return text + "; the buffer is unusable: destroy it and create a new one"
+
+
+def describe_input_error(words: dict[str, int], num_experts: int) -> str:
+    """The text of an invalid `topk_idx` value that a dispatch found on the device."""
+    where = f"at [{words['input_row']}, {words['input_lane']}]"
+    if words["input_reason"] == INPUT_OUT_OF_RANGE:
+        what = (
+            f"values must be in [-1, {num_experts}) (num_experts = {num_experts}), got {words['input_value']} {where}"
+        )
+    else:
+        what = f"rows must not repeat an expert, got {words['input_value']} again {where}"
+    return (
+        f"dispatch: `topk_idx` {what}; found on the device by a dispatch without CPU sync, "
+        "which sent nothing (its handle routes nothing)"
+    )
+
+
+class NvlinkRuntime:
+    """The windows, error block, count blocks and waits of one buffer.
+
+    Arguments:
+        open_windows: opens every rank's window of this buffer (collective); called once this rank's
+            own memory is allocated (an allocation of pinned or device memory while a peer's kernel
+            runs would keep them apart: see `deep_ep.loopback`).
+        share: the part of the GPU this rank's kernels may use.
+        num_gpu_timeout_secs: deadline of every device-side wait.
+        num_cpu_timeout_secs: deadline of every host-side wait.
+    """
+
+    def __init__(
+        self, open_windows: Callable[[], PeerWindows], share: DeviceShare, num_gpu_timeout_secs: float,
+        num_cpu_timeout_secs: float,
+    ) -> None:  # fmt: skip
+        self.share = share
+        self.num_device_sms = share.num_sms
+        self.timeout_ns = int(num_gpu_timeout_secs * 1e9)
+        self.cpu_timeout_s = float(num_cpu_timeout_secs)
+        self.error_block = torch.zeros(len(ERROR_WORDS), dtype=torch.int64, pin_memory=True)
+        # Received counts per source rank, then per local expert, then the invalid-input flag: the
+        # dispatch kernel fills the device copy, a D2H copy brings them to pinned memory (device reads
+        # of host memory are slow)
+        num_count_words = MAX_RANKS + MAX_LOCAL_EXPERTS + 1
+        self.device_counts = torch.zeros(num_count_words, dtype=torch.int32, device="cuda")
+        self.host_counts = torch.zeros(num_count_words, dtype=torch.int32, pin_memory=True)
+        self.dispatch_scratch = torch.zeros(DISPATCH_SCRATCH_INTS, dtype=torch.int32, device="cuda")
+        self._expand_scratch: torch.Tensor | None = None
+        self.num_experts_checked = 0  # of the last dispatch that validated routing on the device
+        self.dead_reason: str | None = None
+        self._dead_error: type[EPError] = EPError
+        self.windows = open_windows()
+        self.rank, self.num_ranks = self.windows.rank, self.windows.num_ranks
+        if self.num_ranks > MAX_RANKS:
+            self.windows.destroy()
+            raise ValueError(f"NVLink kernels support at most {MAX_RANKS} ranks, the group has {self.num_ranks}")
+        self._write_workspace()
+
+    def _write_workspace(self) -> None:
+        """This rank, the number of ranks and every rank's window base, into our window's workspace
+        (fault.cuh and comm.cuh read them there)."""
+        world = torch.tensor([self.rank, self.num_ranks], dtype=torch.int32).view(torch.uint8)
+        peers = torch.tensor(self.windows.peer_ptrs, dtype=torch.int64).view(torch.uint8)
+        window = self.windows.bytes
+        window[RANK_OFFSET : NUM_RANKS_OFFSET + 4].copy_(world)
+        window[PEER_WINDOWS_OFFSET : PEER_WINDOWS_OFFSET + peers.numel()].copy_(peers)
+        torch.cuda.current_stream().synchronize()
+
+    # ---------------------------------------------------------------- faults
+
+    def check_error(self) -> None:
+        """Raise if this buffer failed: `EPTimeoutError` for a device wait that expired here or on a
+        peer, `EPOperationMismatchError` when the ranks ran different operations, `EPError` after an
+        exception between two launches of one operation."""
+        if self.dead_reason is None and int(self.error_block[0]) != 0:
+            words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=True))
+            self.dead_reason = describe_fault(words, self.timeout_ns / 1e9)
+            self._dead_error = EPOperationMismatchError if words["phase"] == _OP_MISMATCH_PHASE else EPTimeoutError
+        if self.dead_reason is not None:
+            raise self._dead_error(self.dead_reason)
+
+    def take_input_error(self) -> None:
+        """Raise the `ValueError` of an invalid `topk_idx` that an earlier dispatch found on the
+        device (once; the buffer stays usable: that dispatch sent nothing). Called at the end of a
+        call, once its own work is enqueued: raising before it would leave the peers waiting."""
+        if int(self.error_block[_INPUT_WORDS.start]) == 0:
+            return
+        words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=True))
+        self.error_block[_INPUT_WORDS] = 0
+        raise ValueError(describe_input_error(words, self.num_experts_checked))
+
+    def fail_between_launches(self, op: str, error: BaseException) -> None:
+        """Mark the buffer dead: `op` raised `error` after its first kernel was launched."""
+        if self.dead_reason is None:
+            self.dead_reason = (
+                f"{op} raised {type(error).__name__} ({error}) after its first kernel was launched, which leaves "
+                "the window half-way through an operation; the buffer is unusable: destroy it and create a new one"
+            )
+
+    def wait(self, stream: torch.cuda.Stream, what: str) -> None:
+        """Wait on the host, with a deadline, for everything queued on `stream`.
+
+        Busy-polls first: a sleep costs at least a scheduler tick (milliseconds in a VM), far more
+        than a dispatch; only waits longer than `_SPIN_S` back off to short sleeps.
+        """
+        if not wait_for_stream(stream, timeout_s=self.cpu_timeout_s, spin_s=_SPIN_S):
+            self.dead_reason = f"host wait for {what} on rank {self.rank} passed {self.cpu_timeout_s:g} s"
+            self._dead_error = EPTimeoutError
+            raise EPTimeoutError(self.dead_reason)
+        self.check_error()
+
+    # ---------------------------------------------------------------- grids
+
+    def comm_grid(self, num_sms: int) -> int:
+        """CTAs of a communication kernel: at most the share, less one SM for the epilogue when the
+        two must fit it together."""
+        limit = self.num_device_sms - 1 if self.share.exclusive else self.num_device_sms
+        return max(1, min(num_sms, limit))
+
+    def grid_for_rows(self, num_rows: int, num_busy_sms: int) -> int:
+        """CTAs for an epilogue over `num_rows` rows: one warp per row, at most one CTA per SM, and
+        only the SMs the running communication kernel (`num_busy_sms`) leaves free. An epilogue CTA
+        cannot share an SM with a communication CTA (registers), so one placed behind it would hold
+        its rows, spread over the whole batch, until the transfer ends. With an exclusive share, the
+        free SMs are all there is."""
+        rows_per_cta = specs.NUM_THREADS // 32
+        num_free_sms = self.num_device_sms - num_busy_sms
+        if self.share.exclusive or num_free_sms >= self.num_device_sms // 4:
+            num_sms = max(1, num_free_sms)
+        else:
+            num_sms = self.num_device_sms
+        return max(1, min(num_sms, (num_rows + rows_per_cta - 1) // rows_per_cta))
+
+    # ---------------------------------------------------------------- barrier
+
+    def barrier(self, stream: torch.cuda.Stream) -> None:
+        self.check_error()
+        (kernel,) = self.share.load([specs.barrier_spec(self.num_ranks)])
+        kernel.launch(grid=(1,), block=(128,), stream=stream, args=(
+            U64(self.windows.ptr), I32(self.rank), U64(data_ptr(self.error_block)), U64(self.timeout_ns)))  # fmt: skip
+
+    # ---------------------------------------------------------------- capacity
+
+    def check_capacity(self, slot_bytes: int, num_max_tokens_per_rank: int, what: str) -> None:
+        needed = WORKSPACE_BYTES + self.num_ranks * num_max_tokens_per_rank * slot_bytes
+        if needed > self.windows.num_bytes:
+            raise ValueError(
+                f"{what}: the buffer holds {self.windows.num_bytes} bytes per rank but this call needs {needed} "
+                f"({num_max_tokens_per_rank} tokens x {self.num_ranks} ranks x {slot_bytes} bytes); create the buffer "
+                "with ElasticBuffer.get_buffer_size_hint(...) for this shape"
+            )
+
+    def expand_rank_scratch(self, num_elements: int) -> torch.Tensor:
+        """`[>= num_elements]` `torch.int32` device scratch of the expanded layout (grown, never shrunk)."""
+        if self._expand_scratch is None or self._expand_scratch.numel() < num_elements:
+            self._expand_scratch = self.share.empty((num_elements,), dtype=torch.int32, device="cuda")
+        return self._expand_scratch
+
+    # ---------------------------------------------------------------- teardown
+
+    def destroy(self) -> None:
+        """Release the windows (idempotent)."""
+        self.windows.destroy()
+
+
+def peer_store(runtime: NvlinkRuntime, stream: torch.cuda.Stream, src: torch.Tensor, num_sms: int) -> None:
+    """Speed-of-light probe: stream `src` (uint8, a multiple of 16 bytes) into every peer's window.
+
+    Every rank launching it at once loads the links in both directions, as dispatch and combine do.
+    """
+    if WORKSPACE_BYTES + src.numel() > runtime.windows.num_bytes:
+        raise ValueError(f"peer_store: {src.numel()} bytes do not fit the window ({runtime.windows.num_bytes} bytes)")
+    (kernel,) = runtime.share.load([specs.peer_store_spec()])
+    kernel.launch(
+        grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
+        args=(U64(runtime.windows.ptr), I32(runtime.rank), I32(runtime.num_ranks), U64(WORKSPACE_BYTES), src,
+              U64(src.numel())))  # fmt: skip

@@ -1,0 +1,413 @@
+"""`ReferenceBackend`: dispatch and combine with torch ops and torch.distributed collectives.
+
+It runs on any process group (gloo on CPU, NCCL on GPUs) and computes exactly the contract of
+`docs/semantics.md` in the documented order, so the GPU kernels can be compared with it bitwise.
+Everything that travels is packed into one `torch.uint8` record per row (gloo cannot move FP8) and
+exchanged with one `all_to_all_single`; the host learns the split sizes from one `all_gather` of
+per-rank counts, which also checks that all ranks called with compatible arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deep_ep.backends.base import (
+    TMA_ALIGNED_SF_TOKENS,
+    BufferConfig,
+    CombineRequest,
+    CombineResult,
+    DispatchRequest,
+    DispatchResult,
+    EPBackend,
+    ScaleKind,
+    worst_case_num_expanded_tokens,
+    worst_case_num_recv_tokens,
+)
+from deep_ep.errors import EPTimeoutError
+from deep_ep.host_reads import host_list, to_host, wait_for_stream
+from deep_ep.utils.math import align
+
+from .layout import RecvLayout, SendLayout, compute_recv_layout, compute_send_layout, send_offset
+
+# The fields every rank sends before a dispatch; they must agree across ranks
+_HEADER_FIELDS = (
+    "cached",
+    "num_experts",
+    "num_max_tokens_per_rank",
+    "num_topk",
+    "expert_alignment",
+    "do_expand",
+    "hidden",
+    "element_size",
+    "scale_kind",
+    "has_weights",
+)
+_SCALE_KIND_CODES = {ScaleKind.NONE: 0, ScaleKind.FP32: 1, ScaleKind.UE8M0: 2}
+
+
+@dataclass
+class ReferenceState:
+    """The reference backend's part of an `EPHandle`."""
+
+    send: SendLayout
+    recv: RecvLayout
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of `t` (or `t` itself); unlike `contiguous()`, also fixes strides of size-1 dims."""
+    if t.is_contiguous() and (t.dim() == 0 or t.stride(-1) == 1):
+        return t
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+
+
+def _to_bytes(t: torch.Tensor) -> torch.Tensor:
+    """View a `[M, ...]` tensor as `[M, bytes per row]` `torch.uint8`."""
+    num_row_bytes = t.element_size() * math.prod(t.shape[1:])
+    return _dense(t).view(torch.uint8).reshape(t.shape[0], num_row_bytes)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, tail: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of `_to_bytes`: `[M, bytes]` `torch.uint8` -> `[M, *tail]` of `dtype`."""
+    # NOTES: a fresh copy, so that the storage offset is aligned for the wider dtype
+    return torch.empty_like(b, memory_format=torch.contiguous_format).copy_(b).view(dtype).reshape(b.shape[0], *tail)
+
+
+class _Unpacker:
+    """Cuts consecutive byte columns out of received records."""
+
+    def __init__(self, records: torch.Tensor) -> None:
+        self.records = records
+        self.offset = 0
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        part = self.records[:, self.offset : self.offset + num_bytes]
+        self.offset += num_bytes
+        return part
+
+
+def _empty_scales(num_rows: int, num_packs: int, like: torch.Tensor, col_major: bool, zero: bool) -> torch.Tensor:
+    """Allocate `[num_rows, num_packs]` scales, row-major or TMA-aligned column-major."""
+    strides = (1, align(num_rows, TMA_ALIGNED_SF_TOKENS)) if col_major else (num_packs, 1)
+    scales = torch.empty_strided((num_rows, num_packs), strides, dtype=like.dtype, device=like.device)
+    return scales.zero_() if zero else scales
+
+
+class ReferenceBackend(EPBackend):
+    """Dispatch and combine with torch collectives; the oracle of every other backend."""
+
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
+        super().__init__(group, config)
+        self.rank_idx = config.rank_idx
+        self.num_ranks = config.num_ranks
+        self.device = config.device
+
+    # Collectives with a host-side deadline
+    def _wait(self, work: dist.Work, what: str, blocking: bool) -> None:
+        # NOTES: NCCL work only needs a stream wait unless the host reads the result; gloo work blocks
+        if blocking or self.device.type == "cpu":
+            deadline = time.monotonic() + self.config.num_cpu_timeout_secs
+            num_polls = 0
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise EPTimeoutError(
+                        f"reference backend: rank {self.rank_idx} of {self.num_ranks} waited more than "
+                        f"{self.config.num_cpu_timeout_secs} s for {what}; a peer did not join "
+                        "(it failed, hangs, or called a different method)"
+                    )
+                num_polls += 1
+                time.sleep(0 if num_polls < 100 else 1e-4)
+        work.wait()
+
+    def _all_gather(self, row: torch.Tensor, what: str) -> torch.Tensor:
+        """All-gather a 1D int64 tensor into `[N, len]`, on the host."""
+        outputs = [torch.empty_like(row) for _ in range(self.num_ranks)]
+        work = dist.all_gather(outputs, row, group=self.group, async_op=True)
+        self._wait(work, what, blocking=True)
+        return to_host(torch.stack(outputs))
+
+    def _all_to_all(
+        self, records: torch.Tensor, send_counts: list[int], recv_counts: list[int], what: str
+    ) -> torch.Tensor:
+        """Exchange `[sum(send_counts), B]` uint8 records; returns `[sum(recv_counts), B]`."""
+        output = torch.empty((sum(recv_counts), records.shape[1]), dtype=torch.uint8, device=self.device)
+        work = dist.all_to_all_single(output, records, recv_counts, send_counts, group=self.group, async_op=True)
+        self._wait(work, what, blocking=False)
+        return output
+
+    def _exchange_header(self, header: dict[str, int], send_counts: list[int]) -> list[int]:
+        """All-gather the call's header and send counts; check agreement; return the receive counts."""
+        row = torch.tensor(
+            [header[name] for name in _HEADER_FIELDS] + send_counts, dtype=torch.int64, device=self.device
+        )
+        table = self._all_gather(row, "the dispatch count exchange").tolist()
+        for i, name in enumerate(_HEADER_FIELDS):
+            values = [table[rank][i] for rank in range(self.num_ranks)]
+            if len(set(values)) != 1:
+                raise ValueError(
+                    f"dispatch: all ranks must pass the same `{name}`, got {values} on ranks 0..{self.num_ranks - 1}"
+                )
+        return [table[rank][len(_HEADER_FIELDS) + self.rank_idx] for rank in range(self.num_ranks)]
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        """See `EPBackend.dispatch`; the host synchronizes internally to learn the split sizes."""
+        req = request
+        if self.device.type == "cuda":
+            wait_for_stream()  # torch's own host syncs below (nonzero) must find nothing queued
+        handle = req.cached_handle
+        num_local_experts = req.num_experts // self.num_ranks
+        if handle is None:
+            send = compute_send_layout(req.topk_idx, self.num_ranks, num_local_experts)
+        else:
+            state: ReferenceState = handle.backend_state
+            send = state.send
+        header = {
+            "cached": int(handle is not None),
+            "num_experts": req.num_experts,
+            "num_max_tokens_per_rank": req.num_max_tokens_per_rank,
+            "num_topk": req.num_topk,
+            "expert_alignment": req.expert_alignment,
+            "do_expand": int(req.do_expand),
+            "hidden": req.hidden,
+            "element_size": req.x.element_size(),
+            "scale_kind": _SCALE_KIND_CODES[req.scale_kind],
+            "has_weights": int(req.topk_weights is not None),
+        }
+        recv_counts = self._exchange_header(header, send.send_counts)
+
+        # Pack one record per (token, destination rank) and exchange them
+        rows = send.send_token_idx
+        parts = [_to_bytes(req.x)[rows]]
+        if req.scales is not None:
+            parts.append(_to_bytes(req.scales)[rows])
+        if req.topk_weights is not None:
+            parts.append(_to_bytes(req.topk_weights)[rows])
+        if handle is None:
+            parts.append(_to_bytes(req.topk_idx)[rows])
+            parts.append(_to_bytes(rows.to(torch.int64)))
+        records = self._all_to_all(torch.cat(parts, dim=1), send.send_counts, recv_counts, "the dispatch data exchange")
+
+        # Unpack
+        unpacker = _Unpacker(records)
+        num_topk, hidden = req.num_topk, req.hidden
+        recv_x_bytes = unpacker.take(hidden * req.x.element_size())
+        recv_scales = None
+        if req.scales is not None:
+            num_packs = req.scales.shape[1]
+            recv_scales = _from_bytes(unpacker.take(4 * num_packs), req.scales.dtype, (num_packs,))
+        recv_weights = None
+        if req.topk_weights is not None:
+            recv_weights = _from_bytes(unpacker.take(4 * num_topk), torch.float32, (num_topk,))
+        if handle is None:
+            recv_topk_idx = _from_bytes(unpacker.take(8 * num_topk), torch.int64, (num_topk,))
+            src_token_idx = _from_bytes(unpacker.take(8), torch.int64, (1,))[:, 0]
+            recv = compute_recv_layout(
+                recv_counts, src_token_idx, recv_topk_idx, self.rank_idx, num_local_experts, req.expert_alignment
+            )
+            state = ReferenceState(send=send, recv=recv)
+        recv = state.recv
+        if req.cumulative_local_expert_recv_stats is not None:
+            stats = req.cumulative_local_expert_recv_stats
+            stats.add_(recv.counts.to(stats.dtype))
+        return self._make_result(req, state, recv_x_bytes, recv_scales, recv_weights)
+
+    def _make_result(
+        self,
+        req: DispatchRequest,
+        state: ReferenceState,
+        recv_x_bytes: torch.Tensor,
+        recv_scales: torch.Tensor | None,
+        recv_weights: torch.Tensor | None,
+    ) -> DispatchResult:
+        """Lay the received rows out as the contract says (plain or expanded, exact or worst case)."""
+        recv, handle = state.recv, req.cached_handle
+        num_recv, num_topk, num_local_experts = recv.num_recv_tokens, req.num_topk, req.num_experts // self.num_ranks
+        device = self.device
+
+        # Output row counts: exact, worst case, or those of the cached handle
+        if handle is not None:
+            num_recv_alloc, num_expanded_alloc = handle.num_recv_tokens, handle.num_expanded_tokens
+        elif req.do_cpu_sync:
+            num_recv_alloc, num_expanded_alloc = num_recv, int(recv.aligned_counts.sum())
+        else:
+            num_recv_alloc = worst_case_num_recv_tokens(self.num_ranks, req.num_max_tokens_per_rank)
+            num_expanded_alloc = worst_case_num_expanded_tokens(
+                self.num_ranks, req.num_max_tokens_per_rank, num_topk, num_local_experts, req.expert_alignment
+            )
+
+        # Destination rows: the received order, or the expanded (row, lane) pairs
+        if req.do_expand:
+            num_rows = num_expanded_alloc
+            src_rows, src_lanes = (recv.local_expert_idx >= 0).nonzero(as_tuple=True)
+            dst_rows = recv.expanded_row[src_rows, src_lanes]
+        else:
+            num_rows = num_recv_alloc
+            src_rows = dst_rows = torch.arange(num_recv, device=device)
+        zero = req.do_expand and req.do_zero_padding
+        factory = torch.zeros if zero else torch.empty
+
+        recv_x = factory((num_rows, recv_x_bytes.shape[1]), dtype=torch.uint8, device=device)
+        recv_x[dst_rows] = recv_x_bytes[src_rows]
+        recv_x = recv_x.view(req.x.dtype)
+        out_scales = None
+        if recv_scales is not None:
+            out_scales = _empty_scales(
+                num_rows, recv_scales.shape[1], recv_scales, req.use_tma_aligned_col_major_sf, zero
+            )
+            out_scales[dst_rows] = recv_scales[src_rows]
+        out_weights = None
+        if recv_weights is not None:
+            if req.do_expand:
+                out_weights = factory((num_rows,), dtype=torch.float32, device=device)
+                out_weights[dst_rows] = recv_weights[src_rows, src_lanes]
+            else:
+                out_weights = torch.empty((num_rows, num_topk), dtype=torch.float32, device=device)
+                out_weights[:num_recv] = recv_weights
+        out_topk_idx = None
+        if not req.do_expand:
+            out_topk_idx = torch.empty((num_rows, num_topk), dtype=torch.int64, device=device)
+            out_topk_idx[:num_recv] = recv.local_expert_idx
+
+        if handle is not None:
+            return DispatchResult(
+                recv_x=recv_x,
+                recv_scales=out_scales,
+                recv_topk_idx=out_topk_idx,
+                recv_topk_weights=out_weights,
+                num_recv_tokens=handle.num_recv_tokens,
+                num_expanded_tokens=handle.num_expanded_tokens,
+                num_recv_tokens_per_expert_list=handle.num_recv_tokens_per_expert_list,
+                psum_num_recv_tokens_per_scaleup_rank=handle.psum_num_recv_tokens_per_scaleup_rank,
+                psum_num_recv_tokens_per_expert=handle.psum_num_recv_tokens_per_expert,
+                num_unaligned_recv_tokens_per_expert=handle.num_unaligned_recv_tokens_per_expert,
+                recv_src_metadata=handle.recv_src_metadata,
+                dst_buffer_slot_idx=handle.dst_buffer_slot_idx,
+                backend_state=state,
+            )
+
+        # Handle fields
+        metadata = torch.full((num_recv_alloc, 2 + num_topk), -1, dtype=torch.int32, device=device)
+        metadata[:num_recv, 0] = (recv.src_rank * req.num_max_tokens_per_rank + recv.src_token_idx).to(torch.int32)
+        metadata[:num_recv, 1] = recv.src_rank.to(torch.int32)
+        if req.do_expand:
+            metadata[:num_recv, 2:] = recv.expanded_row.to(torch.int32)
+        psum_ranks = torch.tensor(recv.recv_counts, dtype=torch.int64, device=device).cumsum(dim=0)
+        if req.do_expand:
+            psum_experts = recv.aligned_counts.cumsum(dim=0) - recv.aligned_counts + recv.counts
+        else:
+            psum_experts = recv.aligned_counts.cumsum(dim=0)
+        return DispatchResult(
+            recv_x=recv_x,
+            recv_scales=out_scales,
+            recv_topk_idx=out_topk_idx,
+            recv_topk_weights=out_weights,
+            num_recv_tokens=num_recv_alloc,
+            num_expanded_tokens=num_expanded_alloc,
+            num_recv_tokens_per_expert_list=host_list(recv.aligned_counts) if req.do_cpu_sync else None,
+            psum_num_recv_tokens_per_scaleup_rank=psum_ranks.to(torch.int32),
+            psum_num_recv_tokens_per_expert=psum_experts.to(torch.int32),
+            num_unaligned_recv_tokens_per_expert=recv.counts.to(torch.int32),
+            recv_src_metadata=metadata,
+            dst_buffer_slot_idx=state.send.dst_buffer_slot_idx,
+            backend_state=state,
+        )
+
+    def combine(self, request: CombineRequest) -> CombineResult:
+        """See `EPBackend.combine`: FP32 sums in the contract's order, one rounding to BF16."""
+        req, handle = request, request.handle
+        if self.device.type == "cuda":
+            wait_for_stream()  # torch's own host syncs below (nonzero) must find nothing queued
+        state: ReferenceState = handle.backend_state
+        send, recv = state.send, state.recv
+        num_recv, num_topk, num_tokens = recv.num_recv_tokens, handle.num_topk, handle.num_tokens
+        hidden = req.x.shape[1]
+        device = self.device
+        per_lane = handle.do_expand and not req.allow_multiple_reduction
+        local = recv.local_expert_idx >= 0
+
+        # What travels back: one row per (token, holder rank), or one per (token, local lane)
+        weights = None
+        if not handle.do_expand:
+            rows = req.x[:num_recv]
+            if req.topk_weights is not None:
+                weights = req.topk_weights[:num_recv]
+            send_counts, recv_counts = recv.recv_counts, send.send_counts
+        elif req.allow_multiple_reduction:
+            # Sum this rank's lanes of each token in FP32, lanes ascending, and round once to BF16
+            acc = torch.zeros((num_recv, hidden), dtype=torch.float32, device=device)
+            for lane in range(num_topk):
+                lane_rows = local[:, lane].nonzero()[:, 0]
+                expanded = recv.expanded_row[lane_rows, lane]
+                acc[lane_rows] = acc[lane_rows] + req.x[expanded].float()
+            rows = acc.to(torch.bfloat16)
+            if req.topk_weights is not None:
+                weights = torch.zeros((num_recv, num_topk), dtype=torch.float32, device=device)
+                weights[local] = req.topk_weights[recv.expanded_row[local]]
+            send_counts, recv_counts = recv.recv_counts, send.send_counts
+        else:
+            pair_rows, pair_lanes = local.nonzero(as_tuple=True)
+            expanded = recv.expanded_row[pair_rows, pair_lanes]
+            rows = req.x[expanded]
+            if req.topk_weights is not None:
+                weights = req.topk_weights[expanded].unsqueeze(1)
+            pairs_per_row = local.sum(dim=1)
+            send_counts = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
+            send_counts = host_list(send_counts.index_add_(0, recv.src_rank, pairs_per_row))
+            dst = send.dst_rank
+            recv_counts = [
+                int(v)
+                for v in host_list((dst.unsqueeze(2) == torch.arange(self.num_ranks, device=device)).sum(dim=(0, 1)))
+            ]
+        parts = [_to_bytes(rows)]
+        if weights is not None:
+            parts.append(_to_bytes(weights))
+        records = self._all_to_all(torch.cat(parts, dim=1), send_counts, recv_counts, "the combine data exchange")
+        unpacker = _Unpacker(records)
+        back_rows = _from_bytes(unpacker.take(2 * hidden), torch.bfloat16, (hidden,))
+        back_weights = None
+        if weights is not None:
+            back_weights = _from_bytes(unpacker.take(4 * weights.shape[1]), torch.float32, (weights.shape[1],))
+
+        # Reduce at home: holder ranks ascending (lanes ascending inside a rank), then biases
+        acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
+        combined_weights = None
+        if weights is not None:
+            combined_weights = torch.zeros((num_tokens, num_topk), dtype=torch.float32, device=device)
+        offset = 0
+        for rank in range(self.num_ranks):
+            count = recv_counts[rank]
+            block = slice(offset, offset + count)
+            offset += count
+            if per_lane:
+                tokens, lanes = (send.dst_rank == rank).nonzero(as_tuple=True)
+                block_rows = back_rows[block]
+                for lane in range(num_topk):
+                    which = (lanes == lane).nonzero()[:, 0]
+                    acc[tokens[which]] = acc[tokens[which]] + block_rows[which].float()
+                if back_weights is not None:
+                    combined_weights[tokens, lanes] = back_weights[block, 0]
+            else:
+                tokens = send.send_token_idx[send_offset(send.send_counts, rank) :][:count]
+                acc[tokens] = acc[tokens] + back_rows[block].float()
+                if back_weights is not None:
+                    mine = send.dst_rank[tokens] == rank
+                    combined_weights[tokens] = torch.where(mine, back_weights[block], combined_weights[tokens])
+        for bias in (req.bias_0, req.bias_1):
+            if bias is not None:
+                acc = acc + bias.float()
+        return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=combined_weights)
+
+    def barrier(self) -> None:
+        """All ranks meet (a one-element all-reduce with the CPU deadline)."""
+        token = torch.ones(1, dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(token, group=self.group, async_op=True)
+        self._wait(work, "the barrier", blocking=True)
+
+    def destroy(self) -> None:
+        """Nothing to release: the reference backend holds no memory of its own."""

@@ -1,0 +1,71 @@
+"""deep_ep.backends.kernels.transport: which peer windows a group would use, and why (no GPU needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deep_ep.backends.kernels.backend import NvlinkBackend
+from deep_ep.backends.kernels.layout import MAX_RANKS
+from deep_ep.backends.kernels.transport import TransportChoice, choose_transport
+
+
+class _VirtualGroup:
+    """What `choose_transport` reads of a `deep_ep.loopback.LoopbackGroup`: its size and its world."""
+
+    def __init__(self, num_ranks: int, device: str) -> None:
+        self.num_ranks = num_ranks
+        self.loopback_world = SimpleNamespace(device=torch.device(device))
+
+    def size(self) -> int:
+        return self.num_ranks
+
+
+def test_virtual_ranks_of_a_cuda_world_use_loopback() -> None:
+    choice = choose_transport(_VirtualGroup(4, "cuda:0"))  # type: ignore[arg-type]
+    assert choice == TransportChoice("loopback", "4 virtual ranks of cuda:0") and choice.supported
+    assert NvlinkBackend.is_supported(_VirtualGroup(4, "cuda:0"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("num_ranks", "device", "reason"), [(4, "cpu", "need a CUDA device"),
+                                                             (MAX_RANKS + 1, "cuda:0", f"at most {MAX_RANKS}")])  # fmt: skip
+def test_virtual_ranks_the_kernels_cannot_serve(num_ranks: int, device: str, reason: str) -> None:
+    choice = choose_transport(_VirtualGroup(num_ranks, device))  # type: ignore[arg-type]
+    assert choice.name is None and not choice.supported and reason in choice.reason
+
+
+class _ProcessGroup:
+    """What `choose_transport` reads of a process group of real ranks: its size (and, through
+    `torch.distributed.get_backend`, patched here, its backend)."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+
+    def size(self) -> int:
+        return self.num_ranks
+
+
+@pytest.mark.parametrize(
+    ("cuda", "backend", "num_devices", "peer_access", "name", "reason"),
+    [
+        (False, "nccl", 0, True, None, "CUDA is not available"),
+        (True, "gloo", 2, True, None, "the group's backend is 'gloo', not NCCL"),
+        (True, "nccl", 1, True, None, "2 ranks, more than this host's 1 GPUs or the kernels' 64"),
+        (True, "nccl", 2, False, None, "GPU 0 cannot reach GPU 1's memory (no peer access)"),
+        (True, "nccl", 2, True, "nccl_lsa", "2 NCCL ranks on this host's 2 GPUs, all peers reachable"),
+    ],
+)
+def test_real_ranks_use_nccl_lsa_inside_one_nvlink_domain(
+    monkeypatch: pytest.MonkeyPatch, cuda: bool, backend: str, num_devices: int, peer_access: bool,
+    name: str | None, reason: str,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_devices)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer_access)
+    monkeypatch.setattr(dist, "get_backend", lambda group: backend)
+    group = _ProcessGroup(2)
+    assert choose_transport(group) == TransportChoice(name, reason)  # type: ignore[arg-type]
+    assert NvlinkBackend.is_supported(group) is (name is not None)  # type: ignore[arg-type]
