@@ -22,8 +22,9 @@
 
 namespace deep_ep {
 
-// Error block layout (int64 words); deep_ep/layout.py mirrors it. `kErrRank` is the rank whose wait
-// expired, `kErrReporter` the rank that owns the block (they differ when a peer told us).
+// Error block layout (int64 words); deep_ep/backends/kernels/layout.py mirrors it. `kErrRank` is
+// the rank whose wait expired, `kErrReporter` the rank that owns the block (they differ when a peer
+// told us).
 enum ErrorWord : int {
     kErrStatus = 0,
     kErrPhase,

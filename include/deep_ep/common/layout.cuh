@@ -1,7 +1,8 @@
 #pragma once
 
 // Byte layout of the symmetric window and of the token records that travel through it.
-// deep_ep/layout.py mirrors every constant here; a CPU test checks that the two agree.
+// deep_ep/backends/kernels/layout.py (and deep_ep/records.py, for the records and the workspace
+// size) mirror every constant here; a CPU test checks that they agree.
 //
 //   window = [workspace | data region]
 //   workspace: per-CTA, per-source-rank counting semaphores (the standalone barrier), per-source
