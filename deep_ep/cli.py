@@ -178,6 +178,26 @@ def _arch_line() -> str:
         return f"none (no GPU; set {env.ARCH}, e.g. sm_90a, to compile)"
 
 
+def _transport_line() -> str:
+    """Which transport the kernels would use here, and why: an NCCL group of every GPU of this host,
+    and virtual ranks on one GPU; where neither applies, the reference backend."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "none: CUDA is not available, so buffers use the reference backend (torch collectives)"
+    from deep_ep.backends.kernels.transport import choose_nccl_transport
+
+    num_devices = torch.cuda.device_count()
+    choice = choose_nccl_transport(num_devices)
+    group = f"an NCCL group of all {num_devices} GPUs: " + (
+        f"{choice.name} ({choice.reason})" if choice.supported else f"the reference backend ({choice.reason})"
+    )
+    return (
+        f"{group}; virtual ranks on one GPU (deep_ep.loopback): loopback; groups across hosts: the reference "
+        "backend (scale-out is not built yet)"
+    )
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     """Print versions, GPUs and the JIT cache; never fails."""
     import deep_ep
@@ -193,6 +213,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("cuda-python", _try(lambda: _version("cuda-python"))),
         ("cuda-bindings", _try(lambda: _version("cuda-bindings"))),
         ("cuda-core", _try(lambda: _version("cuda-core"))),
+        ("transport", _try(_transport_line)),
         ("JIT cache", _try(_cache_line)),
         ("JIT arch", _try(_arch_line, "not set")),
     ]

@@ -32,6 +32,7 @@ def test_info_runs_without_a_gpu_and_reports_nccl_and_the_cache(jit_cache):
     assert f"JIT cache      {jit_cache} (0 entries, 0 B)" in out
     for name in ("torch", "nvcc", "cuda-bindings", "cuda-core", "GPUs"):
         assert any(line.startswith(name) for line in out.splitlines()), name
+    assert "transport      none: CUDA is not available, so buffers use the reference backend" in out
 
 
 def test_info_prints_not_found_instead_of_crashing(jit_cache, tmp_path):

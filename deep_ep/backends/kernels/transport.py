@@ -118,6 +118,14 @@ def choose_transport(group: dist.ProcessGroup) -> TransportChoice:
     backend = str(dist.get_backend(group)).lower()
     if "nccl" not in backend:
         return TransportChoice(None, f"the group's backend is {backend!r}, not NCCL")
+    return choose_nccl_transport(num_ranks)
+
+
+def choose_nccl_transport(num_ranks: int) -> TransportChoice:
+    """Which transport an NCCL group of `num_ranks` ranks of this host, one GPU each, would use, and
+    why (`choose_transport` past its checks of the group; `deep-ep info` asks it without a group)."""
+    if not torch.cuda.is_available():
+        return TransportChoice(None, "CUDA is not available")
     num_devices = torch.cuda.device_count()
     if num_ranks > min(num_devices, MAX_RANKS):
         return TransportChoice(
