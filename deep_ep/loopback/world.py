@@ -1,47 +1,5 @@
-"""Virtual ranks: many ranks of one GPU, each driving its own `ElasticBuffer`, in one process.
-
-    world = LoopbackWorld(4)                       # 4 virtual ranks on cuda:0
-    def step(rank, group):                         # one thread per rank
-        buffer = ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2048, explicitly_destroy=True)
-        ...                                        # the public API, unchanged
-        buffer.destroy()
-        return result
-    results = world.run(step)                      # per rank, in rank order
-
-Each rank gets a `LoopbackGroup`: a `torch.distributed.ProcessGroup` whose collectives run between
-the threads of the world, so the reference backend, `torch.distributed` calls and our own buffers
-all work on it. With the kernels backend (the default on a CUDA world) a buffer runs the real
-NVLink kernels: every rank's window lives in the same GPU and peers reach it by loads and stores,
-as over NVLink; no NCCL is involved. It tests the protocol (slots, counts, credits, epochs, task
-queues, deadlines and faults, layouts at many ranks, cached and graph paths), not NVLink speed nor
-orderings that need the fabric (one L2 hides a missing system scope). `docs/loopback.md` has more.
-
-What makes virtual ranks reliable is part of the world:
-- SMs: each rank's grids fit its share (`num_sms_per_rank`, by default the device's SMs over the
-  ranks; a communication kernel and its epilogue together), so a rank spinning on a peer never
-  keeps that peer's kernels off the GPU. `green_contexts=True` makes the shares hard partitions.
-- Streams: every rank has its own compute and communication streams, never from torch's pool
-  (which hands out 32 per priority round robin: two ranks on one stream deadlock), and
-  `CUDA_DEVICE_MAX_CONNECTIONS` is raised to 32 before CUDA starts (streams sharing a hardware
-  queue would put one rank's work behind another's). Streams outlive their world (a later world
-  takes them over): tensors that outlive it may still name them.
-- Kernels: loading a kernel may wait for every running kernel (a context-wide synchronisation), so
-  CUDA loads all of torch's kernels when it starts (`CUDA_MODULE_LOADING=EAGER`, set before CUDA
-  starts), and a rank that needs one of our kernels for the first time loads it together with every
-  other rank, at a point where none of them can launch.
-- Memory: a `cudaMalloc` keeps the commands issued before it and after it, on any stream of the
-  device, from running at the same time (CUDA's implicit synchronisation): one rank allocating
-  while a peer's kernel waits for that rank's next launch stalls both until the deadline. So the
-  world fills torch's caching allocator with a reserve per rank stream up front, from which
-  allocations are served without `cudaMalloc` (`reserve_bytes`). `torch.cuda.empty_cache()`, which
-  `torch.cuda.graph` calls, returns it; `LoopbackWorld.reserve()` refills it.
-- Waits: never synchronize the whole device inside a rank function (`torch.cuda.synchronize()`
-  would wait for peers' kernels that wait for this thread): wait on streams or events. And never
-  read a CUDA tensor on the host (`.tolist()`, `.item()`, `.cpu()`) while this rank's stream holds
-  work that waits for a peer's next launch: the copy waits inside the driver and holds back the
-  peer's CUDA calls (its launch) with it. Drain the stream first by polling
-  (`deep_ep.host_reads.wait_for_stream`), as the facade and the reference backend do.
-"""
+"""`LoopbackWorld`: the virtual ranks of one GPU (or CPU threads), their streams, SM shares, memory
+and windows, and `run`, which runs a function on every rank in a thread of its own."""
 
 from __future__ import annotations
 
@@ -52,16 +10,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .backends.base import loopback_world_of
+from ..backends.base import loopback_world_of
+from .collectives import LoopbackGroup, Rendezvous
+from .device import POOL, GreenContexts, RankStreams, check, cuda_driver
 
-# Hardware queues: streams that share one would order one rank's work behind another's
-_DEVICE_CONNECTIONS = "32"
 # A guarded allocation is surrounded by bytes of this pattern, and filled with the other (large
 # values in every integer field: metadata that was never written cannot pass for valid)
 _GUARD_PATTERN = 0xA5
@@ -69,10 +25,6 @@ _UNWRITTEN_PATTERN = 0x7B
 _WINDOW_ALIGNMENT = 4096
 # SMs per green-context partition come in steps of this many on Hopper
 _GREEN_SM_STEP = 8
-
-if not torch.cuda.is_initialized():
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", _DEVICE_CONNECTIONS)
-    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
 class LoopbackRankError(RuntimeError):
@@ -87,208 +39,6 @@ class LoopbackRankError(RuntimeError):
 def loopback_world(group: Any) -> LoopbackWorld | None:
     """The `LoopbackWorld` of a `LoopbackGroup`, or `None` for any other group."""
     return loopback_world_of(group) if isinstance(group, LoopbackGroup) else None
-
-
-# ------------------------------------------------------------------------------------------ collectives
-
-
-class _Rendezvous:
-    """Matches the k-th call of every rank: what each brought, and who has taken the results."""
-
-    def __init__(self, num_ranks: int, abort: Callable[[], str | None]) -> None:
-        self.num_ranks = num_ranks
-        self.abort = abort
-        self.condition = threading.Condition()
-        self.entries: dict[Any, dict] = {}
-
-    def deposit(self, key: Any, rank: int, value: Any) -> dict:
-        with self.condition:
-            entry = self.entries.setdefault(key, {"values": [None] * self.num_ranks, "arrived": 0, "taken": 0})
-            entry["values"][rank] = value
-            entry["arrived"] += 1
-            if entry["arrived"] == self.num_ranks:
-                self.condition.notify_all()
-            return entry
-
-    def is_full(self, entry: dict) -> bool:
-        return entry["arrived"] == self.num_ranks
-
-    def wait_full(self, entry: dict, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        with self.condition:
-            while entry["arrived"] < self.num_ranks:
-                reason = self.abort()
-                if reason is not None:
-                    raise RuntimeError(f"{what}: the loopback world stopped ({reason})")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = [r for r, v in enumerate(entry["values"]) if v is None]
-                    raise RuntimeError(f"{what}: ranks {missing} did not join within {timeout_s:g} s")
-                self.condition.wait(min(left, 0.05))
-
-    def take(self, key: Any, entry: dict) -> None:
-        with self.condition:
-            entry["taken"] += 1
-            if entry["taken"] == self.num_ranks:
-                self.entries.pop(key, None)
-
-    def clear(self) -> None:
-        with self.condition:
-            self.entries.clear()
-
-    def exchange(self, key: Any, rank: int, value: Any, timeout_s: float, what: str) -> list[Any]:
-        """Blocking: every rank's value for `key`."""
-        entry = self.deposit(key, rank, value)
-        self.wait_full(entry, timeout_s, what)
-        values = list(entry["values"])
-        self.take(key, entry)
-        return values
-
-
-class _Contribution:
-    """A rank's input to a collective: a private copy, and on CUDA the event after which it is ready."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = [t.detach().clone() for t in tensors]
-        self.event = None
-        if any(t.is_cuda for t in self.tensors):
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def ready_on_current_stream(self) -> list[torch.Tensor]:
-        """The tensors, once the current stream has waited for them (the allocator keeps them for it)."""
-        if self.event is not None:
-            stream = torch.cuda.current_stream()
-            stream.wait_event(self.event)
-            for t in self.tensors:
-                if t.is_cuda:
-                    t.record_stream(stream)
-        return self.tensors
-
-
-def _completed_work() -> dist.Work:
-    """A `Work` that has completed. Collectives of a Python process group come back to the caller
-    through torch's op registry, which keeps only the C++ side of a `Work` subclass (its
-    `is_completed` would never turn true): so every collective of ours completes within the call."""
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(None)
-    return torch._C._distributed_c10d._create_work_from_future(future)
-
-
-def _reduce(values: list[torch.Tensor], op: Any) -> torch.Tensor:
-    result = values[0].clone()
-    for value in values[1:]:
-        if op == dist.ReduceOp.SUM:
-            result += value
-        elif op == dist.ReduceOp.MIN:
-            result = torch.minimum(result, value)
-        elif op == dist.ReduceOp.MAX:
-            result = torch.maximum(result, value)
-        elif op == dist.ReduceOp.PRODUCT:
-            result *= value
-        else:
-            raise ValueError(f"LoopbackGroup: reduce op {op} is not supported (SUM, MIN, MAX, PRODUCT are)")
-    return result
-
-
-class LoopbackGroup(dist.ProcessGroup):
-    """One virtual rank's process group: collectives between the threads of a `LoopbackWorld`.
-
-    Supports `all_gather` (of lists), `all_reduce` (SUM, MIN, MAX, PRODUCT),
-    `broadcast` (pass `group_src=` for the root: the group is not registered with torch's world,
-    so `src=` global ranks cannot be translated), `all_to_all_single`, `all_to_all`, `barrier` and the
-    `*_object` collectives built on them. A call returns once every rank has made it (or raises
-    after the world's deadline, or when another rank's function raised); outputs are written on the
-    caller's current stream.
-
-    Attributes:
-        loopback_world: the world.
-        device: where this rank's tensors live.
-    """
-
-    def __init__(self, world: LoopbackWorld, rank: int) -> None:
-        super().__init__(rank, world.num_ranks)
-        self.loopback_world = world
-        self.rendezvous = world.collectives
-        self._rank = rank
-        self._num_calls = 0
-
-    @property
-    def device(self) -> torch.device:
-        return self.loopback_world.device
-
-    def getBackendName(self) -> str:
-        return "loopback"
-
-    def _collective(self, what: str, inputs: Sequence[torch.Tensor], finish: Callable[[list[Any]], None]) -> dist.Work:
-        """Contribute `inputs`, wait (with the world's deadline) until every rank has, then
-        `finish(contributions)` on this rank's current stream."""
-        key = self._num_calls
-        self._num_calls += 1
-        entry = self.rendezvous.deposit(key, self._rank, _Contribution(inputs))
-        self.rendezvous.wait_full(entry, self.loopback_world.timeout_s,
-                                  f"LoopbackGroup {what} (call {key}) on rank {self._rank}")  # fmt: skip
-        try:
-            finish(entry["values"])
-        finally:
-            self.rendezvous.take(key, entry)
-        return _completed_work()
-
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> dist.Work:  # fmt: skip
-        def finish(values: list[_Contribution]) -> None:
-            for out, value in zip(output_tensors[0], values, strict=True):
-                out.copy_(value.ready_on_current_stream()[0])
-
-        return self._collective("all_gather", input_tensors[:1], finish)
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
-
-        def finish(values: list[_Contribution]) -> None:
-            tensors[0].copy_(_reduce([value.ready_on_current_stream()[0] for value in values], op))
-
-        return self._collective("all_reduce", tensors[:1], finish)
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        root = 0 if opts is None else opts.rootRank
-
-        def finish(values: list[_Contribution]) -> None:
-            tensors[0].copy_(values[root].ready_on_current_stream()[0])
-
-        return self._collective("broadcast", tensors[:1], finish)
-
-    def barrier(self, opts: Any = None) -> dist.Work:
-        return self._collective("barrier", [], lambda values: None)
-
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                      input_split_sizes: list[int], opts: Any = None) -> dist.Work:  # fmt: skip
-        n = self.size()
-        sends = list(input_split_sizes) or [input.shape[0] // n] * n
-        recvs = list(output_split_sizes) or [output.shape[0] // n] * n
-        me = self._rank
-
-        def finish(values: list[_Contribution]) -> None:
-            offset = 0
-            for src, value in enumerate(values):
-                chunks = value.ready_on_current_stream()
-                output[offset : offset + recvs[src]].copy_(chunks[me])
-                offset += recvs[src]
-
-        return self._collective("all_to_all_single", list(torch.split(input, sends)), finish)
-
-    # Newer torch calls the group's own `all_to_all_single`, which would wrap our work
-    all_to_all_single = alltoall_base
-
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> dist.Work:  # fmt: skip
-        me = self._rank
-
-        def finish(values: list[_Contribution]) -> None:
-            for out, value in zip(output_tensors, values, strict=True):
-                out.copy_(value.ready_on_current_stream()[me])
-
-        return self._collective("all_to_all", input_tensors, finish)
 
 
 # ------------------------------------------------------------------------------------------ windows
@@ -313,89 +63,6 @@ class LoopbackWindows:
         if self._alive:
             self._alive = False
             self.world._release_windows(self.rank, self._allocation)
-
-
-# ------------------------------------------------------------------------------------------ streams
-
-
-def _driver() -> Any:
-    from cuda.bindings import driver as cuda
-
-    return cuda
-
-
-def _check(result: tuple, call: str) -> Any:
-    from .jit import driver as jit_driver
-
-    return jit_driver.check(result, call)
-
-
-@dataclass
-class _RankStreams:
-    compute: torch.cuda.Stream
-    comm: torch.cuda.Stream
-    handles: tuple[int, ...]
-
-
-class _GreenContexts:
-    """Hard SM partitions of one device, one per rank (`cuDevSmResourceSplitByCount`)."""
-
-    def __init__(self, device: int, num_ranks: int, num_sms_per_rank: int) -> None:
-        cuda = _driver()
-        from .jit import driver as jit_driver
-
-        jit_driver.init()
-        resource = _check(
-            cuda.cuDeviceGetDevResource(jit_driver.device(device), cuda.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
-            "cuDeviceGetDevResource",
-        )
-        groups, num_groups, _ = _check(
-            cuda.cuDevSmResourceSplitByCount(num_ranks, resource, 0, num_sms_per_rank), "cuDevSmResourceSplitByCount"
-        )
-        if num_groups < num_ranks:
-            raise ValueError(
-                f"LoopbackWorld: `green_contexts` needs {num_ranks} partitions of {num_sms_per_rank} SMs, the device "
-                f"splits into {num_groups}"
-            )
-        self.contexts = []
-        for group in list(groups)[:num_ranks]:
-            desc = _check(cuda.cuDevResourceGenerateDesc([group], 1), "cuDevResourceGenerateDesc")
-            flags = cuda.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
-            self.contexts.append(
-                _check(cuda.cuGreenCtxCreate(desc, jit_driver.device(device), flags), "cuGreenCtxCreate")
-            )
-
-        flags = cuda.CUstream_flags.CU_STREAM_NON_BLOCKING
-        self.stream_handles = [
-            tuple(
-                int(_check(cuda.cuGreenCtxStreamCreate(context, flags, 0), "cuGreenCtxStreamCreate")) for _ in range(2)
-            )
-            for context in self.contexts
-        ]
-
-
-class _Pool:
-    """What ended worlds leave for the next: streams and green contexts are never destroyed, because
-    tensors that outlive a world may still name its streams (torch's allocator records an event on
-    every stream a freed tensor was used on, and a destroyed stream's handle is undefined behaviour)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[Any, list[Any]] = {}
-
-    def take(self, key: Any, create: Callable[[], Any]) -> Any:
-        with self._lock:
-            items = self._free.get(key)
-            if items:
-                return items.pop()
-        return create()
-
-    def give(self, key: Any, item: Any) -> None:
-        with self._lock:
-            self._free.setdefault(key, []).append(item)
-
-
-_POOL = _Pool()
 
 
 # ------------------------------------------------------------------------------------------ world
@@ -430,7 +97,7 @@ class LoopbackWorld:
         timeout_s: float = 300.0,
         reserve_bytes: int | None = None,
     ) -> None:
-        from .backends.kernels.layout import MAX_RANKS
+        from ..backends.kernels.layout import MAX_RANKS
 
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"LoopbackWorld: `num_ranks` must be an int in [1, {MAX_RANKS}], got {num_ranks!r}")
@@ -447,19 +114,19 @@ class LoopbackWorld:
             raise ValueError(f"LoopbackWorld: `device` must be a CUDA device or 'cpu', got {device!r}")
         self.timeout_s = float(timeout_s)
         self.guard_bytes = -(-guard_bytes // _WINDOW_ALIGNMENT) * _WINDOW_ALIGNMENT
-        self.collectives = _Rendezvous(num_ranks, lambda: self._abort_reason)
-        self._internal = _Rendezvous(num_ranks, lambda: self._abort_reason)
+        self.collectives = Rendezvous(num_ranks, lambda: self._abort_reason)
+        self._internal = Rendezvous(num_ranks, lambda: self._abort_reason)
         self._internal_calls = [0] * num_ranks
         self._abort_reason: str | None = None
         self._lock = threading.Lock()
         self._loaded: list[set] = [set() for _ in range(num_ranks)]
         self._guarded: list[tuple[torch.Tensor, int, str]] = []
         self._windows: list[dict] = []
-        self._green: _GreenContexts | None = None
+        self._green: GreenContexts | None = None
         self._green_key: Any = None
         self.num_device_sms = 0
         self.num_sms_per_rank = 0
-        self._streams: list[_RankStreams] = []
+        self._streams: list[RankStreams] = []
         if self.device.type == "cuda":
             self._init_cuda(num_sms_per_rank, green_contexts)
             free_bytes = torch.cuda.mem_get_info(self.device)[0]
@@ -493,29 +160,29 @@ class LoopbackWorld:
             )
         self.num_sms_per_rank = share
         self._check_occupancy()
-        cuda = _driver()
+        cuda = cuda_driver()
         index = self.device.index
-        from .jit import driver as jit_driver
+        from ..jit import driver as jit_driver
 
         def create_stream() -> int:
             with jit_driver.current_context(index):
                 flags = cuda.CUstream_flags.CU_STREAM_NON_BLOCKING
-                return int(_check(cuda.cuStreamCreate(flags), "cuStreamCreate"))
+                return int(check(cuda.cuStreamCreate(flags), "cuStreamCreate"))
 
         if green_contexts:
             self._green_key = ("green", index, self.num_ranks, share)
-            self._green = _POOL.take(self._green_key, lambda: _GreenContexts(index, self.num_ranks, share))
+            self._green = POOL.take(self._green_key, lambda: GreenContexts(index, self.num_ranks, share))
         for rank in range(self.num_ranks):
             if self._green is not None:
                 handles = self._green.stream_handles[rank]
             else:
-                handles = tuple(_POOL.take(("stream", index), create_stream) for _ in range(2))
+                handles = tuple(POOL.take(("stream", index), create_stream) for _ in range(2))
             compute, comm = (torch.cuda.get_stream_from_external(h, self.device) for h in handles)
-            self._streams.append(_RankStreams(compute, comm, handles))
+            self._streams.append(RankStreams(compute, comm, handles))
 
     def _check_occupancy(self) -> None:
         """Our kernels run one 512-thread CTA per SM at most; check that one fits at all."""
-        from .backends.kernels.specs import barrier_spec, load
+        from ..backends.kernels.specs import barrier_spec, load
 
         with torch.cuda.device(self.device):
             kernel = load(barrier_spec(self.num_ranks))
@@ -550,7 +217,7 @@ class LoopbackWorld:
 
     def device_share(self, rank: int) -> Any:
         """The `deep_ep.backends.kernels.transport.DeviceShare` of `rank`'s kernels."""
-        from .backends.kernels.transport import DeviceShare
+        from ..backends.kernels.transport import DeviceShare
 
         return DeviceShare(self.num_sms_per_rank, exclusive=True, empty=self.empty,
                            load=lambda specs: self.load_kernels(rank, specs))  # fmt: skip
@@ -564,7 +231,7 @@ class LoopbackWorld:
         """Load `specs` for `rank`. The first time a rank needs a kernel, every rank loads its own at
         the same point (all ranks run the same operations): loading may wait for running kernels,
         and none of those can then wait for a launch that a loading thread holds back."""
-        from .backends.kernels.specs import load
+        from ..backends.kernels.specs import load
 
         missing = [spec for spec in specs if spec not in self._loaded[rank]]
         if missing:
@@ -745,12 +412,12 @@ class LoopbackWorld:
         self._internal.clear()
         torch.cuda.empty_cache()  # the reserve of this world's streams
         if self._green is not None:
-            _POOL.give(self._green_key, self._green)
+            POOL.give(self._green_key, self._green)
             self._green = None
         else:
             for streams in self._streams:
                 for handle in streams.handles:
-                    _POOL.give(("stream", self.device.index), handle)
+                    POOL.give(("stream", self.device.index), handle)
         self._streams = []
 
     def __enter__(self) -> LoopbackWorld:
