@@ -58,3 +58,18 @@ def test_wheel_installed_in_a_bare_venv_finds_its_own_headers(tmp_path):
     assert include_dir.parent.name == "deep_ep" and include_dir.name == "include"
     assert (include_dir / HEADER).read_bytes() == (REPO / "include" / HEADER).read_bytes()
     assert (include_dir / "deep_ep" / "common" / "ptx.cuh").is_file()
+
+
+def test_every_python_package_of_the_checkout_is_listed_for_the_wheel():
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(("deep_ep", *p.parent.relative_to(REPO / "deep_ep").parts))
+        for p in (REPO / "deep_ep").rglob("__init__.py")
+    }
+    found |= {
+        ".".join(("deep_ep.jit", *p.parent.relative_to(REPO / "jit").parts))
+        for p in (REPO / "jit").rglob("__init__.py")
+    }
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
