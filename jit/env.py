@@ -20,6 +20,8 @@ PTXAS_VERBOSE = "EP_JIT_PTXAS_VERBOSE"
 PTXAS_CHECK = "EP_JIT_PTXAS_CHECK"
 DUMP_SASS = "EP_JIT_DUMP_SASS"
 WITH_LINEINFO = "EP_JIT_WITH_LINEINFO"
+# Compile-only: the `nvidia/nccl` folder (`include/`, `lib/`) of another NCCL release to compile against
+NCCL_ROOT = "EP_JIT_NCCL_ROOT"
 
 _FALSE_WORDS = ("", "0", "false", "no", "off")
 

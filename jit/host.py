@@ -24,8 +24,8 @@ from pathlib import Path
 from . import cache, compiler, env
 from .cache import CacheEntry
 from .deps import headers_digest, included_headers
-from .errors import JITCompileError
-from .nccl_headers import check_versions, find_nccl, load_library, tree_digest, version_string
+from .errors import JITCompileError, NCCLHeadersError
+from .nccl_headers import check_versions, compile_only_root, find_nccl, load_library, tree_digest, version_string
 from .spec import nccl_version_guard
 
 KIND = "host"
@@ -156,7 +156,13 @@ def load_host_library(
     Raises:
         JITCompileError: when the compile fails.
         NCCLVersionMismatchError: when NCCL headers and library differ.
+        NCCLHeadersError: when `EP_JIT_NCCL_ROOT` (compile only) is set.
     """
+    if use_nccl and compile_only_root() is not None:
+        raise NCCLHeadersError(
+            f"host library {name}: {env.NCCL_ROOT} is set, which is for compiling only (the NCCL it names is not the "
+            "libnccl this process may load); unset it to load NCCL shims"
+        )
     memo = (name, source, use_nccl, tuple(map(str, include_dirs)), tuple(extra_flags))
     with _lock:
         library = _libraries.get(memo)

@@ -7,6 +7,10 @@ shims must be compiled against the headers of the *loaded* library. Where we loo
    its folder's sibling `../include` (the wheel layout `nvidia/nccl/{lib,include}`);
 2. the installed `nvidia-nccl-cu13` / `nvidia-nccl-cu12` wheel (the `nvidia.nccl` package folder).
 
+`EP_JIT_NCCL_ROOT` (compile only) overrides both with the `nvidia/nccl` folder of another release,
+so that CI can compile every kernel and shim against several NCCL versions; nothing built so may
+be loaded (`deep_ep.jit.host.load_host_library` refuses), since this process runs another libnccl.
+
 We never fall back to a system NCCL (`/usr/include/nccl.h`): if neither is found, that is an error.
 """
 
@@ -22,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import env
 from .errors import NCCLHeadersError, NCCLVersionMismatchError
 
 _WHEELS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12")
@@ -127,6 +132,21 @@ def _from_wheel() -> NcclInstall | None:
     )
 
 
+def compile_only_root() -> Path | None:
+    """The `EP_JIT_NCCL_ROOT` folder when it is set (compile only), else `None`."""
+    configured = env.value(env.NCCL_ROOT)
+    return None if configured is None else Path(configured).expanduser().resolve()
+
+
+def _from_override(root: Path) -> NcclInstall:
+    include_dir = root / "include"
+    if not (include_dir / "nccl.h").is_file():
+        raise NCCLHeadersError(f"{env.NCCL_ROOT}={root}: no include/nccl.h there (give the nvidia/nccl folder)")
+    libs = sorted((root / "lib").glob("libnccl.so*"))
+    return NcclInstall(include_dir, libs[0] if libs else None, f"{env.NCCL_ROOT} {root} (compile only)",
+                       parse_version_code(include_dir / "nccl.h"))  # fmt: skip
+
+
 _lock = threading.Lock()
 _cached: NcclInstall | None = None
 
@@ -141,6 +161,9 @@ def find_nccl() -> NcclInstall:
         NCCLHeadersError: when neither a loaded libnccl with headers nor an NCCL wheel is found.
     """
     global _cached
+    override = compile_only_root()
+    if override is not None:
+        return _from_override(override)
     with _lock:
         if _cached is not None and _cached.origin == "loaded":
             return _cached
