@@ -12,6 +12,12 @@ reader sees a complete entry or none. When two processes build the same key, the
 wins and the loser discards its copy. `meta.json` records the binary's size and sha256; lookups
 check both, and an entry that fails (partial, truncated, corrupt) is removed and reported as a miss,
 never loaded.
+
+Every private folder under `tmp/` names its owner (process id and host, `owner`), so that `clear()`
+removes what is left of dead processes but never a build in progress. A root that cannot be written
+(read-only, full, not a folder: found by writing a probe the first time a process builds) is left
+for reading: entries found there are still used, and new ones go to a folder of this user under the
+system's temporary directory, with a warning that says so.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +44,12 @@ from . import env
 SCHEMA = 1
 KINDS = ("kernels", "host")
 METADATA = "meta.json"
+OWNER = "owner"
+# A private folder whose owner cannot be checked (another host) counts as abandoned after this long
+ABANDONED_AFTER_S = 24 * 3600
+_PROBE_BYTES = 4096
+# A private folder is created before its owner is written into it: so young, it counts as in progress
+_UNMARKED_GRACE_S = 60.0
 
 _stats: Counter[str] = Counter()
 _stats_lock = threading.Lock()
@@ -62,9 +77,65 @@ def make_key(fields: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def root() -> Path:
-    """The cache root folder (it is created on first write)."""
+def configured_root() -> Path:
+    """The cache root asked for (`EP_JIT_CACHE_DIR`, else `~/.cache/deep_ep/jit`)."""
     return env.cache_dir()
+
+
+_writable: dict[Path, Path] = {}
+_writable_lock = threading.Lock()
+
+
+def _probe(folder: Path) -> str | None:
+    """Why new entries cannot be written under `folder` (`None` when they can)."""
+    try:
+        (folder / "tmp").mkdir(parents=True, exist_ok=True)
+        probe = folder / "tmp" / f"probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"\0" * _PROBE_BYTES)
+        probe.unlink()
+    except OSError as error:
+        return f"{type(error).__name__}: {error.strerror or error}"
+    return None
+
+
+def fallback_root() -> Path:
+    """Where new entries go when the configured root cannot be written: this user's folder under
+    the system's temporary directory."""
+    return Path(tempfile.gettempdir()) / f"deep_ep-jit-{os.getuid()}"
+
+
+def root() -> Path:
+    """The folder new entries are written to: the configured root, or `fallback_root()` (with a
+    warning, once per process and root) when the configured one cannot be written.
+
+    Raises:
+        OSError: when neither can be written.
+    """
+    configured = configured_root()
+    with _writable_lock:
+        chosen = _writable.get(configured)
+        if chosen is None:
+            problem = _probe(configured)
+            chosen = configured
+            if problem is not None:
+                chosen = fallback_root()
+                second = _probe(chosen)
+                if second is not None:
+                    raise OSError(f"deep_ep.jit: the JIT cache {configured} ({problem}) and {chosen} ({second}) "
+                                  f"cannot be written; point {env.CACHE_DIR} at a writable folder")  # fmt: skip
+                warnings.warn(f"deep_ep.jit: the JIT cache {configured} cannot be written ({problem}); new kernels "
+                              f"go to {chosen} for this process (entries found in {configured} are still used)",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
+            _writable[configured] = chosen
+    return chosen
+
+
+def _lookup_roots() -> list[Path]:
+    """Where entries are looked up: the configured root, then the fallback when it is in use."""
+    configured = configured_root()
+    with _writable_lock:
+        chosen = _writable.get(configured, configured)
+    return [configured] if chosen == configured else [configured, chosen]
 
 
 def entry_dir(kind: str, key: str) -> Path:
@@ -85,6 +156,8 @@ class CacheEntry:
 
     path: Path
     metadata: dict[str, Any]
+    # The binary as verified when the entry was read: a later `clear()` cannot take it away
+    verified: bytes | None = dataclass_field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -115,6 +188,8 @@ class CacheEntry:
         Raises:
             CacheCorruptError: when the size or sha256 differs (e.g. a truncated file).
         """
+        if self.verified is not None:
+            return self.verified
         try:
             data = self.binary_path.read_bytes()
         except OSError as error:
@@ -141,41 +216,74 @@ def _read_entry(path: Path, kind: str, key: str | None) -> CacheEntry:
     for field, types in (("file", str), ("size", int), ("sha256", str)):
         if not isinstance(metadata.get(field), types):
             raise CacheCorruptError(f"{path / METADATA}: missing or bad {field!r}")
-    entry = CacheEntry(path, metadata)
-    entry.read_binary()
-    return entry
+    return CacheEntry(path, metadata, CacheEntry(path, metadata).read_binary())
 
 
 def remove(path: Path) -> None:
-    """Delete an entry folder safely: rename it into `tmp/` first (atomic), then delete the copy."""
-    trash = root() / "tmp" / f"trash-{uuid.uuid4().hex}"
+    """Delete an entry folder safely: rename it into its root's `tmp/` first (atomic), then delete
+    the copy. An entry in a root that cannot be written stays (it is skipped on every lookup)."""
+    trash = path.parent.parent / "tmp" / f"trash-{uuid.uuid4().hex}"
     try:
         trash.parent.mkdir(parents=True, exist_ok=True)
         os.rename(path, trash)
     except FileNotFoundError:
         return  # another process removed it first
+    except OSError as error:
+        env.debug(f"cannot remove {path}: {error}")
+        return
     shutil.rmtree(trash, ignore_errors=True)
 
 
 def lookup(kind: str, key: str) -> CacheEntry | None:
     """Return the verified entry `key`, or `None` on a miss; a corrupt entry is removed (a miss)."""
-    path = entry_dir(kind, key)
-    if not path.exists():
-        return None
+    if kind not in KINDS:
+        raise ValueError(f"unknown cache kind {kind!r}; expected one of {KINDS}")
+    for base in _lookup_roots():
+        path = base / kind / key
+        if not path.exists():
+            continue
+        try:
+            return _read_entry(path, kind, key)
+        except CacheCorruptError as error:
+            count("corrupt")
+            env.debug(f"corrupt cache entry removed: {error}")
+            remove(path)
+    return None
+
+
+def new_private_dir(prefix: str) -> Path:
+    """Create a folder under `tmp/` for one process's work, marked with its owner (see `clear`)."""
+    tmp = root() / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=tmp))
+    (folder / OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
+    return folder
+
+
+def _in_progress(folder: Path) -> bool:
+    """Whether a private folder under `tmp/` belongs to a live process (so `clear` keeps it)."""
     try:
-        return _read_entry(path, kind, key)
-    except CacheCorruptError as error:
-        count("corrupt")
-        env.debug(f"corrupt cache entry removed: {error}")
-        remove(path)
-        return None
+        age = time.time() - folder.stat().st_mtime
+    except OSError:
+        return False
+    try:
+        pid_text, host = (folder / OWNER).read_text().split()
+    except (OSError, ValueError):
+        return age < _UNMARKED_GRACE_S  # just created, its owner not written yet
+    if host != socket.gethostname():
+        return age < ABANDONED_AFTER_S
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def new_build_dir() -> Path:
     """Create a private folder under `tmp/` to build one entry in."""
-    tmp = root() / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="build-", dir=tmp))
+    return new_private_dir("build-")
 
 
 def write_metadata(build_dir: Path, kind: str, key: str, binary_name: str, fields: dict[str, Any]) -> None:
@@ -202,11 +310,14 @@ def publish(build_dir: Path, kind: str, key: str) -> CacheEntry:
     """
     target = entry_dir(kind, key)
     target.parent.mkdir(parents=True, exist_ok=True)
+    (build_dir / OWNER).unlink(missing_ok=True)
+    # Verified while still private: once published, a `clear()` may take the entry away at any time
+    built = _read_entry(build_dir, kind, key)
     for _ in range(5):
         try:
             os.rename(build_dir, target)
             count("published")
-            return _read_entry(target, kind, key)
+            return CacheEntry(target, built.metadata, built.verified)
         except OSError as error:
             if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 shutil.rmtree(build_dir, ignore_errors=True)
@@ -248,7 +359,8 @@ def usage() -> tuple[int, int]:
 
 
 def clear() -> int:
-    """Delete every entry and every leftover temporary build; return how many entries were deleted."""
+    """Delete every entry and what dead processes left under `tmp/` (builds of live processes stay:
+    they publish when done); return how many entries were deleted."""
     deleted = 0
     for kind in KINDS:
         folder = root() / kind
@@ -256,5 +368,11 @@ def clear() -> int:
             for path in list(folder.iterdir()):
                 remove(path)
                 deleted += 1
-    shutil.rmtree(root() / "tmp", ignore_errors=True)
+    tmp = root() / "tmp"
+    if tmp.is_dir():
+        for path in list(tmp.iterdir()):
+            if not path.is_dir():
+                path.unlink(missing_ok=True)
+            elif not _in_progress(path):
+                shutil.rmtree(path, ignore_errors=True)
     return deleted

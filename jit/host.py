@@ -167,11 +167,19 @@ def load_host_library(
     with _lock:
         library = _libraries.get(memo)
         if library is None:
-            entry = build_host_library(
-                name, source, use_nccl=use_nccl, include_dirs=include_dirs, extra_flags=extra_flags
-            )
             if use_nccl:
                 install = check_versions(find_nccl())
                 load_library(install)
-            library = _libraries[memo] = ctypes.CDLL(str(entry.binary_path))
+            # A `clear()` of the cache between the build and the load takes the file away: build again
+            for attempt in range(3):
+                entry = build_host_library(
+                    name, source, use_nccl=use_nccl, include_dirs=include_dirs, extra_flags=extra_flags
+                )
+                try:
+                    library = ctypes.CDLL(str(entry.binary_path))
+                    break
+                except OSError:
+                    if entry.binary_path.exists() or attempt == 2:
+                        raise
+            _libraries[memo] = library
     return library

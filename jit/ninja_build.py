@@ -15,7 +15,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -132,8 +131,7 @@ def compile_many(
 
 
 def _run_ninja(plans: list[BuildPlan], jobs: int | None, progress: bool) -> dict[str, CacheEntry]:
-    (cache.root() / "tmp").mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="ninja-", dir=cache.root() / "tmp"))
+    folder = cache.new_private_dir("ninja-")
     try:
         commands = _write_ninja_file(folder, plans)
         ninja = [find_ninja(), "-C", str(folder), "-k", "0", "-j", str(jobs or os.cpu_count() or 1)]
