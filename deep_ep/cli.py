@@ -330,6 +330,26 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from error
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from error
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] (a share of the tokens), got {text!r}")
+    return value
+
+
 def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         values = [item.strip() for item in text.split(",") if item.strip()]
@@ -368,15 +388,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def register_bench(subparsers: Any) -> None:
     """`deep-ep bench`."""
-    from deep_ep.bench import DEFAULT_HOT_FRACTION, DTYPES, ROUTINGS
+    from deep_ep.bench import DEFAULT_HOT_FRACTION, DTYPES, ROUTINGS, columns_text
 
     parser = subparsers.add_parser(
         "bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=columns_text(),
         help="time dispatch/combine against torch all_to_all_single and the NVLink speed of light",
         description="GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
         "one GPU: the same kernels on virtual ranks sharing it (deep_ep.loopback; the times show the kernels' "
         "own cost, not NVLink); no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are "
-        "checked against deep_ep.reference before they are timed. On GPUs every case is timed eagerly (dispatch with CPU sync, "
+        "checked against deep_ep.reference before they are timed (on CPU ranks, where the reference is what "
+        "runs, that is a self-consistency check). On GPUs every case is timed eagerly (dispatch with CPU sync, "
         "then combine) and, from CUDA-graph replays, as device time of a fresh no-sync dispatch, a cached "
         "dispatch and a combine. Each (dtype, routing, tokens) runs the planner's SM pick plus the --sms sweep.",
     )
@@ -391,10 +414,13 @@ def register_bench(subparsers: Any) -> None:
                         help="dispatch dtypes: fp8 (per-128 FP32 scales), bf16, or both, e.g. fp8,bf16 (default fp8)")  # fmt: skip
     parser.add_argument("--routing", type=_choice_list(ROUTINGS), default=None,
                         help="uniform, imbalanced (one hot rank: rank 0), or both (default uniform)")  # fmt: skip
-    parser.add_argument("--hot-fraction", type=float, default=DEFAULT_HOT_FRACTION,
-                        help="imbalanced routing: share of tokens that prefer the hot rank's experts")  # fmt: skip
-    parser.add_argument("--iters", type=int, default=None, help="timed eager iterations per measurement")
-    parser.add_argument("--samples", type=int, default=None, help="graph-replay samples per measurement (GPUs)")
+    parser.add_argument("--hot-fraction", type=_fraction, default=DEFAULT_HOT_FRACTION,
+                        help="imbalanced routing: share of tokens (0 to 1) that prefer the hot rank's experts "
+                             "(default %(default)s)")  # fmt: skip
+    parser.add_argument("--iters", type=_positive_int, default=None,
+                        help="timed eager iterations per measurement (default 30 on GPUs, 5 on CPU ranks)")  # fmt: skip
+    parser.add_argument("--samples", type=_positive_int, default=None,
+                        help="graph-replay samples per measurement (GPUs; default 5)")  # fmt: skip
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing (GPUs)")
     parser.add_argument("--breakdown", action="store_true",
                         help="per-kernel device times of the planner's cases (torch profiler; GPUs)")  # fmt: skip

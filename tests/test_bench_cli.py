@@ -28,7 +28,19 @@ def test_bench_on_cpu_ranks_writes_table_json_and_plot(tmp_path):
     assert "CUDA-graph replay: not measured" in result.stdout
     lines = [line for line in result.stdout.splitlines() if line.strip().startswith(("64 ", "16 "))]
     assert len(lines) == 2, result.stdout
-    assert all(line.split("|")[0].split()[-1].endswith("*") for line in lines)  # the planner's pick
+    assert all(line.split("|")[0].split()[-1] == "n/a" for line in lines)  # the reference backend has no SMs
+    # CPU ranks: no GPU-only column or footer; every column shown is explained; the check is named for what it is
+    assert "%SoL" not in result.stdout and "planner's pick (num_sms=0" not in result.stdout
+    assert "planner rates" not in result.stdout and "/root/" not in result.stdout
+    for column in (
+        "log GB/s:",
+        "wire GB/s:",
+        "x torch d/c:",
+        "torch d/c us:",
+        "several ranks: every time is the slowest",
+    ):
+        assert column in result.stdout, column
+    assert "self-consistency check" in result.stdout and "measured: commit " in result.stdout
 
     document = json.loads(json_path.read_text())
     for key in ("commit", "command", "hardware", "date", "results", "checks", "planner_source"):
@@ -43,6 +55,57 @@ def test_bench_on_cpu_ranks_writes_table_json_and_plot(tmp_path):
             assert row[key] > 0, (key, row)
         assert row["speed_of_light_gbs"] is None and row["graph_dispatch_us"] is None  # no NVLink, no graphs
     assert plot_path.read_bytes()[:8] == PNG
+    assert document["checked_against"] == "itself" and "slowest rank" in document["multi_rank_rule"]
+    # One rule: the progress line shows the table's figures (the slowest rank's), and GB/s recompute from the row
+    progress = [line for line in result.stderr.splitlines() if "slowest rank" in line]
+    for line, row in zip(progress, document["results"], strict=True):
+        assert f"eager {row['dispatch_us']:.1f}/{row['combine_us']:.1f} us" in line, (line, row["dispatch_us"])
+    for row in document["results"]:
+        _check_recomputable(row)
+
+
+def _check_recomputable(row: dict) -> None:
+    """Every GB/s of a row = its mean record count x record bytes / its (slowest rank's) time."""
+    assert row["num_records"] == pytest.approx(sum(row["num_records_per_rank"]) / len(row["num_records_per_rank"]))
+    for prefix, time_key, bytes_key in report.TIMED:
+        if row[time_key] is None:
+            continue
+        for kind, records in (("logical", "num_records"), ("wire", "num_wire_records")):
+            expected = row[records] * row[bytes_key] / row[time_key] / 1e3
+            assert row[f"{prefix}_{kind}_gbs"] == pytest.approx(expected), (prefix, kind)
+
+
+def test_bench_rejects_iters_0_and_a_hot_fraction_above_1_with_a_clear_error(tmp_path):
+    for args, message in ((("--iters", "0"), "--iters: expected a positive integer, got '0'"),
+                          (("--hot-fraction", "2"), "--hot-fraction: expected a number in [0, 1]"),
+                          (("--samples", "-1"), "--samples: expected a positive integer")):  # fmt: skip
+        result = _bench(tmp_path, *args)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_bench_help_explains_every_column_and_the_multi_rank_rule(tmp_path):
+    text = _bench(tmp_path, "--help").stdout
+    for name, _, _ in report_columns():
+        assert f"  {name}: " in text, name
+    assert "several ranks: every time is the slowest rank's median" in text and "self-consistency" in text
+
+
+def report_columns():
+    from deep_ep.bench import COLUMNS
+
+    return COLUMNS
+
+
+def test_summary_of_imbalanced_ranks_is_recomputable_from_the_json_fields():
+    per_rank = []
+    for rank, (records, us) in enumerate(((900, 100.0), (300, 200.0))):  # the hot rank sends more, faster
+        per_rank.append([dict(_gpu_rank_rows(rank)[-1], num_records=records, num_wire_records=records // 2,
+                              dispatch_us=us, graph_dispatch_us=us / 2)])  # fmt: skip
+    (row,) = report.summarize(per_rank, dict(speed_of_light_gbs=350.0))
+    assert row["dispatch_us"] == 200.0 and row["num_records"] == 600 and row["num_records_per_rank"] == [900, 300]
+    assert row["dispatch_logical_gbs"] == pytest.approx(600 * 7456 / 200.0 / 1e3)
+    _check_recomputable(row)
 
 
 def test_bench_options_dtype_routing_and_sweep(tmp_path):

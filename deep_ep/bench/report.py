@@ -1,7 +1,9 @@
 """The report of `deep-ep bench`: one row per case, the tables, the checks, the JSON and the plot.
 
-Rows hold times in microseconds (the slowest rank's), bandwidths in GB/s (mean over ranks of each
-rank's bytes over its time) and ratios. `graph_*` fields come from CUDA-graph replays (the kernel
+Rows hold times in microseconds, bandwidths in GB/s and ratios, by one rule for several ranks
+(`deep_ep.bench.MULTI_RANK_RULE`): a time is the slowest rank's, a record count the mean over ranks
+(`num_records`, `num_wire_records`; per rank in `*_per_rank`), and GB/s = records x record bytes /
+time, so every GB/s can be recomputed from the row. `graph_*` fields come from CUDA-graph replays (the kernel
 time of the bandwidth convention); the others from eager calls with CPU sync.
 
 Checks:
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import MULTI_RANK_RULE, columns_text
 from .cases import BenchConfig
 
 # Row fields with times: (field, the record bytes they move)
@@ -42,23 +45,23 @@ PLANNER_FRACTION, PLANNER_SM_RATIO, PREDICTION_TOLERANCE = 0.95, 1.25, 0.25
 
 
 def summarize(per_rank: list[list[dict]], meta: dict) -> list[dict]:
-    """One row per case: the slowest rank's times, the mean bandwidth over ranks, and the ratios."""
+    """One row per case by `MULTI_RANK_RULE`: the slowest rank's times, the mean record counts over ranks,
+    GB/s from those two, and the ratios."""
     sol = meta.get("speed_of_light_gbs")
     rows = []
     for case_rows in zip(*per_rank, strict=True):
         row = dict(case_rows[0])
         row.pop("rank")
+        for key in ("num_records", "num_wire_records"):
+            row[f"{key}_per_rank"] = [r[key] for r in case_rows]
+            row[key] = statistics.mean(r[key] for r in case_rows)
         for prefix, time_key, bytes_key in TIMED:
             if case_rows[0][time_key] is None:
                 row.update({f"{prefix}_logical_gbs": None, f"{prefix}_wire_gbs": None, f"{prefix}_wire_vs_sol": None})
                 continue
             row[time_key] = max(r[time_key] for r in case_rows)
-            row[f"{prefix}_logical_gbs"] = statistics.mean(
-                r["num_records"] * r[bytes_key] / r[time_key] / 1e3 for r in case_rows
-            )
-            row[f"{prefix}_wire_gbs"] = statistics.mean(
-                r["num_wire_records"] * r[bytes_key] / r[time_key] / 1e3 for r in case_rows
-            )
+            row[f"{prefix}_logical_gbs"] = row["num_records"] * row[bytes_key] / row[time_key] / 1e3
+            row[f"{prefix}_wire_gbs"] = row["num_wire_records"] * row[bytes_key] / row[time_key] / 1e3
             row[f"{prefix}_wire_vs_sol"] = row[f"{prefix}_wire_gbs"] / sol if sol else None
         row["speed_of_light_gbs"] = sol
         for key in ("torch_dispatch_us", "torch_combine_us"):
@@ -223,13 +226,25 @@ def _f(value: float | None, spec: str, width: int) -> str:
     return f"{value:{width}{spec}}" if value is not None else f"{'n/a':>{width}}"
 
 
+def _gbs(value: float, width: int) -> str:
+    """GB/s with one decimal, or three below 1 GB/s (CPU ranks), so that no rate prints as 0.0."""
+    return f"{value:>{width}.1f}" if value >= 1 else f"{value:>{width}.3f}"
+
+
 def _pair(a: float | None, b: float | None, spec: str, width: int) -> str:
     if a is None or b is None:
         return f"{'n/a':>{width}}"
     return f"{f'{a:{spec}}/{b:{spec}}':>{width}}"
 
 
+def _uses_sms(row: dict) -> bool:
+    """Whether the SM count means anything: the reference backend (torch collectives) has no SMs."""
+    return row["backend"] != "ReferenceBackend"
+
+
 def _sms(row: dict) -> str:
+    if not _uses_sms(row):
+        return "n/a"
     return f"{row['num_sms']}{'*' if row['num_sms_source'] == 'planner' else ''}"
 
 
@@ -239,7 +254,9 @@ def _case_columns(row: dict) -> str:
 
 
 def progress_line(done: int, total: int, row: dict) -> str:
-    text = f"[{done}/{total}] {_label(row)} SMs={_sms(row)}: eager {row['dispatch_us']:.0f}/{row['combine_us']:.0f} us"
+    """The line printed after a case: its row by `MULTI_RANK_RULE` (the figures the table shows)."""
+    text = (f"[{done}/{total}] {_label(row)} SMs={_sms(row)}: eager {row['dispatch_us']:.1f}/{row['combine_us']:.1f} us "
+            "(dispatch/combine, slowest rank)")  # fmt: skip
     if row["graph_dispatch_us"] is not None:
         text += (f", graph {row['graph_dispatch_us']:.1f}/{row['graph_cached_dispatch_us']:.1f}/"
                  f"{row['graph_combine_us']:.1f} us (fresh/cached/combine)")  # fmt: skip
@@ -247,9 +264,11 @@ def progress_line(done: int, total: int, row: dict) -> str:
 
 
 def format_eager_table(rows: list[dict]) -> str:
+    """The eager table; the %SoL column only where the speed of light was measured (GPUs)."""
+    with_sol = any(r["dispatch_wire_vs_sol"] is not None for r in rows)
     header = (f"{'T':>6} {'dtype':>5} {'routing':>10} {'SMs':>5} | {'dispatch us':>11} {'log GB/s':>8} {'wire GB/s':>9} | "
-              f"{'combine us':>10} {'log GB/s':>8} {'wire GB/s':>9} | {'torch d/c us':>17} {'x torch d/c':>11} | "
-              f"{'%SoL d/c':>9}")  # fmt: skip
+              f"{'combine us':>10} {'log GB/s':>8} {'wire GB/s':>9} | {'torch d/c us':>17} {'x torch d/c':>11}"
+              + (f" | {'%SoL d/c':>9}" if with_sol else ""))  # fmt: skip
     lines = [
         "eager calls (dispatch with CPU sync = exact shapes, then combine of its handle):",
         header,
@@ -259,10 +278,11 @@ def format_eager_table(rows: list[dict]) -> str:
         pct = (_pair(100 * r["dispatch_wire_vs_sol"], 100 * r["combine_wire_vs_sol"], ".0f", 9)
                if r["dispatch_wire_vs_sol"] is not None else f"{'n/a':>9}")  # fmt: skip
         lines.append(
-            f"{_case_columns(r)} | {r['dispatch_us']:>11.1f} {r['dispatch_logical_gbs']:>8.1f} "
-            f"{r['dispatch_wire_gbs']:>9.1f} | {r['combine_us']:>10.1f} {r['combine_logical_gbs']:>8.1f} "
-            f"{r['combine_wire_gbs']:>9.1f} | {_pair(r['torch_dispatch_us'], r['torch_combine_us'], '.1f', 17)} "
-            f"{_pair(r['dispatch_speedup_vs_torch'], r['combine_speedup_vs_torch'], '.2f', 11)} | {pct}"
+            f"{_case_columns(r)} | {r['dispatch_us']:>11.1f} {_gbs(r['dispatch_logical_gbs'], 8)} "
+            f"{_gbs(r['dispatch_wire_gbs'], 9)} | {r['combine_us']:>10.1f} {_gbs(r['combine_logical_gbs'], 8)} "
+            f"{_gbs(r['combine_wire_gbs'], 9)} | {_pair(r['torch_dispatch_us'], r['torch_combine_us'], '.1f', 17)} "
+            f"{_pair(r['dispatch_speedup_vs_torch'], r['combine_speedup_vs_torch'], '.2f', 11)}"
+            + (f" | {pct}" if with_sol else "")
         )  # fmt: skip
     return "\n".join(lines)
 
@@ -344,24 +364,41 @@ VIRTUAL_RANKS_NOTE = (
 )
 
 
+SELF_CHECK_NOTE = (
+    "checked: the reference backend is what runs here, so each case was checked against itself (a "
+    "self-consistency check of dispatch and combine); on GPUs the kernels are checked against deep_ep.reference"
+)
+
+
 def format_report(rows: list[dict], found: dict[str, list[dict]], meta: dict) -> str:
+    """The tables, the checks and a footer: the columns, the multi-rank rule, the check and the provenance."""
     parts = [VIRTUAL_RANKS_NOTE] if meta.get("virtual_ranks") else []
     parts.append(format_eager_table(rows))
+    on_gpu = any(_uses_sms(r) for r in rows)
     if any(r["graph_dispatch_us"] is not None for r in rows):
         parts.append(format_graph_table(rows))
+    elif on_gpu:
+        parts.append("CUDA-graph replay: not measured (--no-graphs)")
     else:
-        parts.append("CUDA-graph replay: not measured (CPU ranks, --no-graphs, or no NVLink kernels)")
+        parts.append("CUDA-graph replay: not measured (GPUs only; CPU ranks run the reference backend)")
     sol = meta.get("speed_of_light_gbs")
     if sol:
         by_sms = ", ".join(f"{m}: {v:.0f}" for m, v in (meta.get("speed_of_light_by_sms") or {}).items())
         where = " between virtual ranks of one GPU" if meta.get("virtual_ranks") else ""
         parts.append(f"speed of light (peer-store probe{where}, every rank writing): {sol:.1f} GB/s per direction "
                      f"(by SMs: {by_sms})")  # fmt: skip
-    parts.append("* = the planner's pick (num_sms=0, ElasticBuffer.get_theoretical_num_sms for this shape); "
-                 f"planner rates: {meta.get('planner_source')}")  # fmt: skip
+    if on_gpu:
+        parts.append("* = the planner's pick (num_sms=0, ElasticBuffer.get_theoretical_num_sms for this shape); "
+                     f"planner rates: {meta.get('planner_source')}")  # fmt: skip
     for text in (format_checks(found), format_breakdowns(rows)):
         if text:
             parts.append(text)
+    footer = [columns_text(cpu=not on_gpu)]
+    if meta.get("checked_against") == "itself":
+        footer.append(SELF_CHECK_NOTE)
+    if meta.get("provenance"):
+        footer.append(f"measured: {meta['provenance']}")
+    parts.append("\n".join(footer))
     return "\n\n".join(parts)
 
 
@@ -415,7 +452,8 @@ def write_json(path: str, rows: list[dict], found: dict, meta: dict, config: Ben
         torch=torch.__version__, seed=config.seed, num_iters=config.num_iters, num_warmups=config.num_warmups,
         num_rotations=config.num_rotations, num_graph_rotations=config.num_graph_rotations,
         num_graph_samples=config.num_graph_samples,
-        hot_fraction=config.hot_fraction, speed_of_light_gbs=meta.get("speed_of_light_gbs"),
+        hot_fraction=config.hot_fraction, multi_rank_rule=MULTI_RANK_RULE,
+        checked_against=meta.get("checked_against"), speed_of_light_gbs=meta.get("speed_of_light_gbs"),
         speed_of_light_by_sms=meta.get("speed_of_light_by_sms"), planner_source=meta.get("planner_source"),
         checks=found, results=rows,
     )  # fmt: skip
