@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -395,13 +396,16 @@ def register_bench(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=columns_text(),
         help="time dispatch/combine against torch all_to_all_single and the NVLink speed of light",
-        description="GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
-        "one GPU: the same kernels on virtual ranks sharing it (deep_ep.loopback; the times show the kernels' "
-        "own cost, not NVLink); no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are "
-        "checked against deep_ep.reference before they are timed (on CPU ranks, where the reference is what "
-        "runs, that is a self-consistency check). On GPUs every case is timed eagerly (dispatch with CPU sync, "
-        "then combine) and, from CUDA-graph replays, as device time of a fresh no-sync dispatch, a cached "
-        "dispatch and a combine. Each (dtype, routing, tokens) runs the planner's SM pick plus the --sms sweep.",
+        description=textwrap.fill(
+            "GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
+            "one GPU: the same kernels on virtual ranks sharing it (deep_ep.loopback; the times show the kernels' "
+            "own cost, not NVLink); no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are "
+            "checked against deep_ep.reference before they are timed (on CPU ranks, where the reference is what "
+            "runs, that is a self-consistency check). On GPUs every case is timed eagerly (dispatch with CPU sync, "
+            "then combine) and, from CUDA-graph replays, as device time of a fresh no-sync dispatch, a cached "
+            "dispatch and a combine. Each (dtype, routing, tokens) runs the planner's SM pick plus the --sms sweep.",
+            100,
+        ),
     )
     parser.add_argument(
         "--sms", type=_int_list, default=None, help="SM counts to sweep besides the planner's pick, e.g. 8,16,24"
