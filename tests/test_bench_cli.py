@@ -329,3 +329,82 @@ def test_bench_on_virtual_cpu_ranks_runs_every_rank_in_one_process_and_says_so(t
     assert row["dispatch_us"] > 0 and row["torch_dispatch_us"] > 0 and row["predicted_dispatch_us"] is None
     text = report.format_report(rows, document["checks"], dict(virtual_ranks=True, planner_source="test"))
     assert text.startswith("VIRTUAL RANKS")
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+
+def _many_cases(num_sms_values: tuple[int, ...]) -> list[dict]:
+    """Summarized rows of 24 cases (4 token counts x 2 dtypes x 3 routings... as labels) over `num_sms_values`."""
+    rank_rows = []
+    for index in range(24):
+        tokens = 128 * (1 + index)
+        for num_sms in (0, *num_sms_values):
+            case = cases.BenchCase(
+                tokens, 7168, 8, 256, index % 2 == 0, num_sms, ("uniform", "imbalanced")[index % 3 == 0]
+            )
+            row = dict(_gpu_rank_rows(0)[0], case=asdict(case), num_sms=num_sms or num_sms_values[0],
+                       num_sms_source="planner" if num_sms == 0 else "sweep", num_records=tokens + index,
+                       num_wire_records=tokens // 2, graph_dispatch_us=50.0 + index + num_sms,
+                       graph_cached_dispatch_us=40.0, graph_combine_us=90.0 + index)  # fmt: skip
+            rank_rows.append(row)
+    return report.summarize([rank_rows], dict(speed_of_light_gbs=350.0))
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_plot_of_24_cases_keeps_legends_off_the_data_with_distinct_styles(tmp_path):
+    import matplotlib.pyplot as plt
+
+    rows = _many_cases((8, 16, 24))
+    fig = report.build_figure(rows, dict(speed_of_light_gbs=350.0, speed_of_light_by_sms={8: 200.0, 132: 350.0}), "p")
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        data_axes = [axis for axis in fig.axes if axis.axison]
+        legends = [axis.get_legend() for axis in fig.axes if axis.get_legend() is not None]
+        assert len(data_axes) == 3 and len(legends) == 2
+        for legend in legends:
+            for axis in data_axes:
+                assert not _overlaps(legend.get_window_extent(renderer), axis.get_window_extent(renderer))
+        dispatch_axis = data_axes[1]
+        styles = [
+            (line.get_color(), line.get_marker()) for line in dispatch_axis.get_lines() if line.get_marker() != "None"
+        ]
+        assert len(styles) == len({(str(c), m) for c, m in styles}) >= 24  # no case shares colour and marker
+        assert "*" not in {m for _, m in styles}  # a star is the planner's pick only
+    finally:
+        plt.close(fig)
+    assert len(set(report.plot_styles(220))) == 220
+
+
+def test_plot_of_one_sm_count_has_integer_sm_ticks(tmp_path):
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _many_cases((2,)) if r["num_sms_source"] == "planner"][:1]
+    fig = report.build_figure(rows, dict(speed_of_light_gbs=None), None)
+    try:
+        fig.canvas.draw()
+        for axis in [axis for axis in fig.axes if axis.axison][1:]:
+            ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
+            assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks), ticks
+    finally:
+        plt.close(fig)
+    report.plot(rows, str(tmp_path / "one.png"), dict(speed_of_light_gbs=None))
+    assert (tmp_path / "one.png").read_bytes()[:8] == PNG
+
+
+def test_plot_of_cpu_rows_marks_the_sm_panels_not_applicable():
+    import matplotlib.pyplot as plt
+
+    rows = [dict(r, backend="ReferenceBackend") for r in _many_cases((2,)) if r["num_sms_source"] == "planner"][:3]
+    fig = report.build_figure(rows, dict(speed_of_light_gbs=None), None)
+    try:
+        data_axes = [axis for axis in fig.axes if axis.axison]
+        assert data_axes[0].get_title().startswith("every case")
+        for axis in data_axes[1:]:
+            assert any("uses no SMs" in text.get_text() for text in axis.texts) and not axis.get_lines()
+    finally:
+        plt.close(fig)

@@ -460,67 +460,133 @@ def write_json(path: str, rows: list[dict], found: dict, meta: dict, config: Ben
     Path(path).write_text(json.dumps(document, indent=2) + "\n")
 
 
-def plot(rows: list[dict], path: str, meta: dict, provenance: str | None = None) -> None:
-    """Wire GB/s vs tokens (the planner's picks), and dispatch / combine wire GB/s vs SMs (sweeps, the
-    planner's pick starred, the peer-store probe for reference); graph times where measured.
-    `provenance` (commit, command, hardware, date) goes into the figure and the PNG's metadata."""
+# Markers of the plots' cases (never "*": a star is the planner's pick); 11 markers and 20 colours give 220
+# distinct (colour, marker) pairs
+PLOT_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "p")
+
+
+def plot_styles(num: int) -> list[tuple[tuple, str]]:
+    """`num` distinct (colour, marker) pairs: tab20's dark shades, then its light ones, with the markers."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    colors = [cmap(i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
+    return [(colors[i % len(colors)], PLOT_MARKERS[i % len(PLOT_MARKERS)]) for i in range(num)]
+
+
+def build_figure(rows: list[dict], meta: dict, provenance: str | None = None):
+    """The figure of `plot`: three panels (wire GB/s vs tokens at the planner's pick; dispatch and combine
+    wire GB/s vs SMs), each case with its own colour and marker, the legends below the panels (outside the
+    data), integer SM ticks. Returns the matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-    fig, (by_tokens, *by_sms) = plt.subplots(1, 3, figsize=(18, 5))
     graph = any(r["graph_dispatch_us"] is not None for r in rows)
     prefix = "graph_" if graph else ""
+    timing = "graph" if graph else "eager"
     series: dict[str, list[dict]] = {}
     for row in rows:
         c = row["case"]
         series.setdefault(f"{'fp8' if c['fp8_dispatch'] else 'bf16'} {c['routing']}", []).append(row)
+    groups = list(_groups(rows).values())
+    series_styles = dict(zip(series, plot_styles(len(series)), strict=True))
+    group_styles = plot_styles(len(groups))
+
+    # Legends go in a row of their own below the panels; its height follows the number of entries
+    num_legend_rows = max(-(-(2 * len(series) + 1) // 2), -(-(len(groups) + 3) // 3))
+    legend_height = 0.2 * num_legend_rows + 0.2
+    fig = plt.figure(figsize=(18, 5 + legend_height))
+    grid = fig.add_gridspec(2, 3, height_ratios=[5, legend_height])
+    by_tokens = fig.add_subplot(grid[0, 0])
+    by_sms = [fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[0, 2])]
+    token_legend, case_legend = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1:])
+    for axis in (token_legend, case_legend):
+        axis.axis("off")
+
+    tokens_seen: set[int] = set()
     for name, group in series.items():
+        color, marker = series_styles[name]
         picks = sorted((r for r in group if r["num_sms_source"] == "planner"), key=lambda r: r["case"]["num_tokens"])
         for op, style in (("dispatch", "-"), ("combine", "--")):
             points = [(r["case"]["num_tokens"], r[f"{prefix}{op}_wire_gbs"]) for r in picks
                       if r[f"{prefix}{op}_wire_gbs"] is not None]  # fmt: skip
             if points:
-                by_tokens.plot(*zip(*points, strict=True), style, marker="o", label=f"{op}, {name}")
+                tokens_seen.update(t for t, _ in points)
+                by_tokens.plot(*zip(*points, strict=True), style, color=color, marker=marker, label=f"{op}, {name}")
+    sms_seen: set[int] = set()
+    uses_sms = any(_uses_sms(r) for r in rows)
     for axis, op in zip(by_sms, ("dispatch", "combine"), strict=True):
-        for group in _groups(rows).values():
+        if not uses_sms:
+            axis.text(0.5, 0.5, "n/a: the reference backend (torch collectives)\nuses no SMs", ha="center",
+                      va="center", transform=axis.transAxes)  # fmt: skip
+            axis.set_xticks([])
+            axis.set_yticks([])
+        for group, (color, marker) in zip(groups, group_styles, strict=True) if uses_sms else ():
+            label = _label(group[0])
             sweep = sorted((r["num_sms"], r[f"{prefix}{op}_wire_gbs"]) for r in group
                            if r["num_sms_source"] == "sweep" and r[f"{prefix}{op}_wire_gbs"] is not None)  # fmt: skip
-            label = _label(group[0])
+            picks = [(r["num_sms"], r[f"{prefix}{op}_wire_gbs"]) for r in group
+                     if r["num_sms_source"] == "planner" and r[f"{prefix}{op}_wire_gbs"] is not None]  # fmt: skip
+            sms_seen.update(m for m, _ in sweep + picks)
             if sweep:
-                (line,) = axis.plot(*zip(*sweep, strict=True), marker="o", label=label)
-                color = line.get_color()
-            else:
-                color = None
-            for r in group:
-                if r["num_sms_source"] == "planner" and r[f"{prefix}{op}_wire_gbs"] is not None:
-                    axis.scatter([r["num_sms"]], [r[f"{prefix}{op}_wire_gbs"]], marker="*", s=220, color=color,
-                                 edgecolors="black", zorder=5, label=f"{label}, planner's pick")  # fmt: skip
+                axis.plot(*zip(*sweep, strict=True), color=color, marker=marker, label=label)
+            for m, gbs in picks:
+                axis.scatter([m], [gbs], marker="*", s=220, color=color, edgecolors="black", zorder=5,
+                             label=None if sweep else label)  # fmt: skip
         probe = meta.get("speed_of_light_by_sms") or {}
         if probe:
             points = sorted((int(m), v) for m, v in probe.items())
             axis.plot(*zip(*points, strict=True), ":", color="gray", label="peer-store probe")
-        axis.set_title(f"{op} ({'graph' if graph else 'eager'} time)")
+        axis.set_title(f"{op} ({timing} time) vs SMs")
         axis.set_xlabel("SMs")
+        if uses_sms:
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(sms_seen) == 1:  # one SM count: a readable range around it, integer ticks
+        (only,) = sms_seen
+        for axis in by_sms:
+            axis.set_xlim(max(0, only - 4), only + 4)
     sol = meta.get("speed_of_light_gbs")
     for axis in (by_tokens, *by_sms):
         if sol:
-            axis.axhline(
-                sol,
-                linestyle="--",
-                color="gray",
-                linewidth=0.8,
-                label="peer-store SoL, one GPU" if meta.get("virtual_ranks") else "NVLink SoL (per direction)",
-            )
+            axis.axhline(sol, linestyle="--", color="gray", linewidth=0.8,
+                         label="peer-store SoL, one GPU" if meta.get("virtual_ranks") else "NVLink SoL (per direction)")  # fmt: skip
         axis.set_ylabel("wire GB/s (per direction)")
-        axis.legend(fontsize=7)
+        top = axis.get_ylim()[1]
+        axis.set_ylim(0, 1.08 * top if top > 0 else 1)  # from 0, with room above the highest point
         axis.grid(alpha=0.3)
-    by_tokens.set_title(f"planner's pick ({'graph' if graph else 'eager'} time)")
+    picked = "planner's pick" if uses_sms else "every case"
+    by_tokens.set_title(f"{picked} ({timing} time) vs tokens")
     by_tokens.set_xlabel("tokens per rank")
     by_tokens.set_xscale("log", base=2)
+    if 0 < len(tokens_seen) <= 6:  # ticks at the measured token counts (else powers of 2), written out
+        by_tokens.xaxis.set_major_locator(FixedLocator(sorted(tokens_seen)))
+    by_tokens.xaxis.set_minor_locator(NullLocator())
+    by_tokens.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.0f}"))
+
+    handles, labels = by_tokens.get_legend_handles_labels()
+    if handles:
+        token_legend.legend(handles, labels, loc="upper center", ncol=2, fontsize=8, frameon=False)
+    handles, labels = by_sms[0].get_legend_handles_labels()
+    if uses_sms:
+        handles.append(Line2D([], [], linestyle="", marker="*", markersize=13, color="white", markeredgecolor="black"))
+        labels.append("the planner's pick (star, in the case's colour)")
+    if handles:
+        case_legend.legend(handles, labels, loc="upper center", ncol=3, fontsize=8, frameon=False)
     if provenance:
         fig.suptitle(provenance, fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], path: str, meta: dict, provenance: str | None = None) -> None:
+    """Write `build_figure`'s PNG to `path`; `provenance` (commit, command, hardware, date) goes into the
+    figure and the PNG's metadata."""
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(rows, meta, provenance)
     fig.savefig(path, dpi=110, metadata={"Description": provenance} if provenance else None)
     plt.close(fig)
