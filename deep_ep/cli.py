@@ -331,24 +331,23 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from error
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _checked(convert: Callable[[str], Any], accept: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: `convert` the text and `accept` the value, else an error saying what was `expected`."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from error
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from error
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] (a share of the tokens), got {text!r}")
-    return value
+_positive_int = _checked(int, lambda value: value >= 1, "a positive integer")
+_fraction = _checked(float, lambda value: 0.0 <= value <= 1.0, "a number in [0, 1] (a share of the tokens)")
 
 
 def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
