@@ -174,8 +174,9 @@ class ElasticBuffer:
         if num_bytes is None:
             if num_max_tokens_per_rank <= 0 or hidden <= 0:
                 raise ValueError(
-                    f"{op}: without `num_bytes`, `num_max_tokens_per_rank` and `hidden` must be positive, "
-                    f"got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}"
+                    f"{op}: without `num_bytes`, `num_max_tokens_per_rank` and `hidden` must be >= 1 (they size the "
+                    f"buffer; 0, no default, needs `num_bytes`), got num_max_tokens_per_rank={num_max_tokens_per_rank}, "
+                    f"hidden={hidden}"
                 )
             num_bytes = backend_class.get_buffer_size_hint(
                 group, num_max_tokens_per_rank, hidden, num_topk, flags["use_fp8_dispatch"],

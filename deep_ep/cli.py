@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -330,6 +331,25 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _checked(convert: Callable[[str], Any], accept: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: `convert` the text and `accept` the value, else an error saying what was `expected`."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from error
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _checked(int, lambda value: value >= 1, "a positive integer")
+_fraction = _checked(float, lambda value: 0.0 <= value <= 1.0, "a number in [0, 1] (a share of the tokens)")
+
+
 def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         values = [item.strip() for item in text.split(",") if item.strip()]
@@ -368,17 +388,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def register_bench(subparsers: Any) -> None:
     """`deep-ep bench`."""
-    from deep_ep.bench import DEFAULT_HOT_FRACTION, DTYPES, ROUTINGS
+    from deep_ep.bench import DEFAULT_HOT_FRACTION, DTYPES, ROUTINGS, columns_text
 
     parser = subparsers.add_parser(
         "bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=columns_text(),
         help="time dispatch/combine against torch all_to_all_single and the NVLink speed of light",
-        description="GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
-        "one GPU: the same kernels on virtual ranks sharing it (deep_ep.loopback; the times show the kernels' "
-        "own cost, not NVLink); no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are "
-        "checked against deep_ep.reference before they are timed. On GPUs every case is timed eagerly (dispatch with CPU sync, "
-        "then combine) and, from CUDA-graph replays, as device time of a fresh no-sync dispatch, a cached "
-        "dispatch and a combine. Each (dtype, routing, tokens) runs the planner's SM pick plus the --sms sweep.",
+        description=textwrap.fill(
+            "GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
+            "one GPU: the same kernels on virtual ranks sharing it (deep_ep.loopback; the times show the kernels' "
+            "own cost, not NVLink); no GPUs: 2 CPU ranks with the reference backend on a small shape. Results are "
+            "checked against deep_ep.reference before they are timed (on CPU ranks, where the reference is what "
+            "runs, that is a self-consistency check). On GPUs every case is timed eagerly (dispatch with CPU sync, "
+            "then combine) and, from CUDA-graph replays, as device time of a fresh no-sync dispatch, a cached "
+            "dispatch and a combine. Each (dtype, routing, tokens) runs the planner's SM pick plus the --sms sweep.",
+            100,
+        ),
     )
     parser.add_argument(
         "--sms", type=_int_list, default=None, help="SM counts to sweep besides the planner's pick, e.g. 8,16,24"
@@ -391,10 +417,13 @@ def register_bench(subparsers: Any) -> None:
                         help="dispatch dtypes: fp8 (per-128 FP32 scales), bf16, or both, e.g. fp8,bf16 (default fp8)")  # fmt: skip
     parser.add_argument("--routing", type=_choice_list(ROUTINGS), default=None,
                         help="uniform, imbalanced (one hot rank: rank 0), or both (default uniform)")  # fmt: skip
-    parser.add_argument("--hot-fraction", type=float, default=DEFAULT_HOT_FRACTION,
-                        help="imbalanced routing: share of tokens that prefer the hot rank's experts")  # fmt: skip
-    parser.add_argument("--iters", type=int, default=None, help="timed eager iterations per measurement")
-    parser.add_argument("--samples", type=int, default=None, help="graph-replay samples per measurement (GPUs)")
+    parser.add_argument("--hot-fraction", type=_fraction, default=DEFAULT_HOT_FRACTION,
+                        help="imbalanced routing: share of tokens (0 to 1) that prefer the hot rank's experts "
+                             "(default %(default)s)")  # fmt: skip
+    parser.add_argument("--iters", type=_positive_int, default=None,
+                        help="timed eager iterations per measurement (default 30 on GPUs, 5 on CPU ranks)")  # fmt: skip
+    parser.add_argument("--samples", type=_positive_int, default=None,
+                        help="graph-replay samples per measurement (GPUs; default 5)")  # fmt: skip
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing (GPUs)")
     parser.add_argument("--breakdown", action="store_true",
                         help="per-kernel device times of the planner's cases (torch profiler; GPUs)")  # fmt: skip
@@ -441,42 +470,103 @@ def register_calibrate(subparsers: Any) -> None:
     parser.set_defaults(handler=cmd_calibrate)
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the planner's SMs, QPs, buffer bytes, bottleneck and predicted times for both modes."""
+# `deep-ep plan` warns when a buffer is larger than this per rank (an H200 has 141 GB)
+PLAN_LARGE_BUFFER_BYTES = 32 << 30
+# Ranks per NVLink domain when `--ranks-per-node` is not given: up to one node of 8 GPUs
+DEFAULT_RANKS_PER_NODE = 8
+NOT_BUILT_NOTE = (
+    "not built: across nodes (RDMA) ElasticBuffer falls back to the reference backend (torch collectives) "
+    "today; these rows are the model's prediction for kernels not written yet"
+)
+
+
+def plan_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The plans `deep-ep plan` prints, with the shape as the user gave it and any warnings."""
     import dataclasses
-    import json
 
     from deep_ep import planner
+    from deep_ep.records import hidden_row_error
 
+    ranks_per_node = args.ranks_per_node or min(args.ranks, DEFAULT_RANKS_PER_NODE)
+    if args.ranks < 1 or args.ranks % ranks_per_node != 0:
+        raise ValueError(f"plan: `--ranks` ({args.ranks}) must be a positive multiple of `--ranks-per-node` "
+                         f"({ranks_per_node}{'' if args.ranks_per_node else ', the default min(ranks, 8)'})")  # fmt: skip
+    error = hidden_row_error(args.hidden, 1 if args.fp8 else 2)
+    if error is not None:
+        raise ValueError(f"plan: `--hidden` {error}, as dispatch requires")
     shape = planner.MoEShape(args.tokens, args.hidden, args.topk, args.experts, fp8_dispatch=args.fp8)
     hardware = planner.detect_hardware()
-    plans = [planner.plan(shape, args.ranks, args.ranks_per_node, mode, hardware) for mode in ("direct", "hybrid")]
+    num_nodes = args.ranks // ranks_per_node
+    modes = ("direct",) if num_nodes == 1 else ("direct", "hybrid")
+    plans = [planner.plan(shape, args.ranks, ranks_per_node, mode, hardware) for mode in modes]
+    warnings = []
+    largest = max(max(p.dispatch_buffer_bytes, p.combine_buffer_bytes) for p in plans)
+    if largest > PLAN_LARGE_BUFFER_BYTES:
+        warnings.append(
+            f"warning: a buffer of {_human_bytes(largest)} per rank (more than {_human_bytes(PLAN_LARGE_BUFFER_BYTES)}; "
+            f"an H200 has 141 GB): --tokens is tokens per rank, {args.tokens} here"
+        )
+    return {
+        "shape": {"num_ranks": args.ranks, "num_ranks_per_node": ranks_per_node, **dataclasses.asdict(shape)},
+        "hardware": dataclasses.asdict(hardware),
+        "plans": [p.as_dict() | {"built": num_nodes == 1} for p in plans],
+        "notes": [] if num_nodes == 1 else [NOT_BUILT_NOTE],
+        "warnings": warnings,
+    }
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the planner's SMs, QPs, buffer bytes, bottleneck and predicted times (one row per mode)."""
+    import json
+
+    report = plan_report(args)
+    for warning in report["warnings"]:
+        print(f"deep-ep plan: {warning}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"shape": vars(args) | {"handler": None}, "hardware": dataclasses.asdict(hardware),
-                          "plans": [p.as_dict() for p in plans]}, indent=2))  # fmt: skip
+        print(json.dumps(report, indent=2))
         return 0
-    print(f"EP{args.ranks} ({args.ranks // args.ranks_per_node} x {args.ranks_per_node}), T={args.tokens}, "
-          f"H={args.hidden}, top-{args.topk} of {args.experts}, {'FP8' if args.fp8 else 'BF16'} dispatch")  # fmt: skip
-    print(f"{'mode':<7} {'SMs':>4} {'QPs':>4} {'dispatch buf':>13} {'combine buf':>12} {'bottleneck':>10} "
+    shape = report["shape"]
+    ranks, per_node = shape["num_ranks"], shape["num_ranks_per_node"]
+    print(f"EP{ranks} ({ranks // per_node} node{'s' if ranks > per_node else ''} x {per_node} ranks), "
+          f"T={args.tokens} tokens per rank, H={args.hidden}, top-{args.topk} of {args.experts} experts, "
+          f"{'FP8' if args.fp8 else 'BF16'} dispatch")  # fmt: skip
+    print(f"{'mode':<8} {'SMs':>4} {'QPs':>4} {'dispatch buf':>13} {'combine buf':>12} {'bottleneck':>10} "
           f"{'dispatch us':>11} {'combine us':>10} {'NVL rec/tok':>11} {'RDMA rec/tok':>12}")  # fmt: skip
-    for p in plans:
-        print(f"{p.mode:<7} {p.num_sms:>4} {p.num_qps:>4} {_human_bytes(p.dispatch_buffer_bytes):>13} "
-              f"{_human_bytes(p.combine_buffer_bytes):>12} {p.bottleneck:>10} {p.predicted_dispatch_us:>11.1f} "
-              f"{p.predicted_combine_us:>10.1f} {p.nvlink_records_per_token:>11.3f} {p.rdma_records_per_token:>12.3f}")  # fmt: skip
-    print(f"rates: {hardware.source}")
+    for p in report["plans"]:
+        mode = p["mode"] + ("" if p["built"] else "*")
+        print(f"{mode:<8} {p['num_sms']:>4} {p['num_qps']:>4} {_human_bytes(p['dispatch_buffer_bytes']):>13} "
+              f"{_human_bytes(p['combine_buffer_bytes']):>12} {p['bottleneck']:>10} {p['predicted_dispatch_us']:>11.1f} "
+              f"{p['predicted_combine_us']:>10.1f} {p['nvlink_records_per_token']:>11.3f} "
+              f"{p['rdma_records_per_token']:>12.3f}")  # fmt: skip
+    for note in report["notes"]:
+        print(f"* {note}")
+    print("times: predicted CUDA-graph device time per call; buf: window bytes per rank; rec/tok: records per "
+          "token leaving a rank over NVLink / RDMA")  # fmt: skip
+    print(f"rates: {report['hardware']['source']}")
     return 0
 
 
 def register_plan(subparsers: Any) -> None:
     """`deep-ep plan` (runs anywhere: no GPU needed)."""
-    parser = subparsers.add_parser("plan", help="SMs, QPs, buffer bytes and predicted times from the bandwidth model")
-    parser.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks (up to 2048)")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per NVLink domain")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    parser.add_argument("--fp8", action="store_true", help="FP8 dispatch (per-128 FP32 scales)")
+    parser = subparsers.add_parser(
+        "plan",
+        help="SMs, QPs, buffer bytes and predicted times from the bandwidth model",
+        description="The planner's answer for an MoE shape (docs/planner.md): SMs, RDMA queue pairs, buffer "
+        "bytes per rank, the bottleneck link and the predicted dispatch and combine times, for direct mode and, "
+        "across nodes, hybrid mode. Runs anywhere (no GPU needed).",
+    )
+    parser.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks N (1 to 2048)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks per NVLink domain, i.e. GPUs per node (default: min(ranks, "
+                             f"{DEFAULT_RANKS_PER_NODE}))")  # fmt: skip
+    parser.add_argument("--hidden", type=int, default=7168,
+                        help="hidden size H in elements; a multiple of 16 with --fp8, of 8 for BF16 (default %(default)s)")  # fmt: skip
+    parser.add_argument("--topk", type=int, default=8, help="experts per token K (default %(default)s)")
+    parser.add_argument("--experts", type=int, default=256,
+                        help="experts E, a multiple of --ranks (default %(default)s)")  # fmt: skip
+    parser.add_argument("--tokens", type=int, default=8192,
+                        help="tokens per rank T, the buffer's num_max_tokens_per_rank (default %(default)s)")  # fmt: skip
+    parser.add_argument("--fp8", action="store_true", help="FP8 dispatch with per-128 FP32 scales (default: BF16)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=cmd_plan)
 

@@ -104,13 +104,13 @@ def hardware_from_document(document: dict[str, Any]) -> Hardware:
         raise ValueError(f"hardware document: `format` must be {HARDWARE_FORMAT}, got {document.get('format')!r}")
     values = document["hardware"]
     provenance = document["provenance"]
+    # Concise: the machine, the day and the commit (the commands and their paths stay in the document)
     source = (
-        f"{document['status']}: {provenance['machine']}, {provenance['date']}, commit {provenance['commit'][:12]}, "
-        f"`{provenance['command']}`"
+        f"{document['status']}: {provenance['machine']}, {provenance['date'][:10]}, commit {provenance['commit'][:7]}"
     )
     if "refit" in provenance:
         refit = provenance["refit"]
-        source += f"; refit {refit['date']}, commit {refit['commit'][:12]}, `{refit['command']}`"
+        source += f"; refit {refit['date'][:10]}, commit {refit['commit'][:7]}"
     names = [f.name for f in fields(Hardware) if f.name != "source"]
     missing = [name for name in names if name not in values]
     if missing:

@@ -17,6 +17,21 @@ from deep_ep.utils.math import align
 WORKSPACE_BYTES = 512 * 1024
 # The buffer size granularity (the symmetric memory window is mapped in 2 MiB pages)
 BUFFER_ALIGNMENT_BYTES = 2 << 20
+# A token's hidden row moves in 16-byte vectors: FP8 hidden a multiple of 16, BF16 a multiple of 8
+ROW_ALIGNMENT_BYTES = 16
+
+
+def hidden_row_error(hidden: int, element_size: int) -> str | None:
+    """Why a hidden size cannot be dispatched with elements of `element_size` bytes, or `None` when it can
+    (the rule of `deep_ep.validation.check_hidden`, shared by `deep-ep plan`)."""
+    if hidden >= 1 and (hidden * element_size) % ROW_ALIGNMENT_BYTES == 0:
+        return None
+    multiple = ROW_ALIGNMENT_BYTES // element_size
+    dtype = {1: "FP8", 2: "BF16", 4: "FP32"}.get(element_size, f"{element_size}-byte")
+    return (
+        f"rows must be a positive multiple of {ROW_ALIGNMENT_BYTES} bytes (for {dtype}: hidden a multiple of "
+        f"{multiple}), got hidden {hidden} ({hidden * element_size} bytes)"
+    )
 
 
 @dataclass(frozen=True)

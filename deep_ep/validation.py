@@ -22,6 +22,7 @@ import torch
 from deep_ep.backends.base import CombineRequest, DispatchRequest, ScaleKind, check_topk_idx_values
 from deep_ep.event import EventHandle
 from deep_ep.handle import EPHandle
+from deep_ep.records import hidden_row_error
 from deep_ep.utils.math import ceil_div
 
 
@@ -156,10 +157,9 @@ def check_handle(op: str, ctx: ValidationContext, handle: Any) -> EPHandle:
 
 
 def check_hidden(op: str, name: str, ctx: ValidationContext, hidden: int, element_size: int) -> None:
-    if hidden < 1 or (hidden * element_size) % 16 != 0:
-        raise ValueError(
-            f"{op}: `{name}` rows must be a positive multiple of 16 bytes, got hidden {hidden} x {element_size} bytes"
-        )
+    error = hidden_row_error(hidden, element_size)
+    if error is not None:
+        raise ValueError(f"{op}: `{name}` {error}")
     if ctx.hidden > 0 and hidden > ctx.hidden:
         raise ValueError(f"{op}: `{name}` hidden must be <= {ctx.hidden} (the buffer's `hidden`), got {hidden}")
 

@@ -23,6 +23,28 @@ def _gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+def nvcc_missing_reason() -> str | None:
+    """Why nvcc (the CUDA toolkit) cannot be used here, or `None` when `deep_ep.jit` finds one."""
+    from deep_ep.jit import compiler
+    from deep_ep.jit.errors import JITError
+
+    try:
+        compiler.find_nvcc()
+    except JITError as error:
+        return f"needs nvcc and the CUDA toolkit to compile kernels: {error}"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip, with the reason, the tests that compile (marker `nvcc`, or the `sm90a_checked_cache` fixture)
+    where nvcc is not found, instead of failing them."""
+    if item.get_closest_marker("nvcc") is None and "sm90a_checked_cache" not in getattr(item, "fixturenames", ()):
+        return
+    reason = nvcc_missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _jit_session_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Point EP_JIT_CACHE_DIR at a session folder; without a GPU, compile for sm_90a (EP_JIT_ARCH)."""

@@ -28,7 +28,19 @@ def test_bench_on_cpu_ranks_writes_table_json_and_plot(tmp_path):
     assert "CUDA-graph replay: not measured" in result.stdout
     lines = [line for line in result.stdout.splitlines() if line.strip().startswith(("64 ", "16 "))]
     assert len(lines) == 2, result.stdout
-    assert all(line.split("|")[0].split()[-1].endswith("*") for line in lines)  # the planner's pick
+    assert all(line.split("|")[0].split()[-1] == "n/a" for line in lines)  # the reference backend has no SMs
+    # CPU ranks: no GPU-only column or footer; every column shown is explained; the check is named for what it is
+    assert "%SoL" not in result.stdout and "planner's pick (num_sms=0" not in result.stdout
+    assert "planner rates" not in result.stdout and "/root/" not in result.stdout
+    for column in (
+        "log GB/s:",
+        "wire GB/s:",
+        "x torch d/c:",
+        "torch d/c us:",
+        "several ranks: every time is the slowest",
+    ):
+        assert column in result.stdout, column
+    assert "self-consistency check" in result.stdout and "measured: commit " in result.stdout
 
     document = json.loads(json_path.read_text())
     for key in ("commit", "command", "hardware", "date", "results", "checks", "planner_source"):
@@ -43,6 +55,57 @@ def test_bench_on_cpu_ranks_writes_table_json_and_plot(tmp_path):
             assert row[key] > 0, (key, row)
         assert row["speed_of_light_gbs"] is None and row["graph_dispatch_us"] is None  # no NVLink, no graphs
     assert plot_path.read_bytes()[:8] == PNG
+    assert document["checked_against"] == "itself" and "slowest rank" in document["multi_rank_rule"]
+    # One rule: the progress line shows the table's figures (the slowest rank's), and GB/s recompute from the row
+    progress = [line for line in result.stderr.splitlines() if "slowest rank" in line]
+    for line, row in zip(progress, document["results"], strict=True):
+        assert f"eager {row['dispatch_us']:.1f}/{row['combine_us']:.1f} us" in line, (line, row["dispatch_us"])
+    for row in document["results"]:
+        _check_recomputable(row)
+
+
+def _check_recomputable(row: dict) -> None:
+    """Every GB/s of a row = its mean record count x record bytes / its (slowest rank's) time."""
+    assert row["num_records"] == pytest.approx(sum(row["num_records_per_rank"]) / len(row["num_records_per_rank"]))
+    for prefix, time_key, bytes_key in report.TIMED:
+        if row[time_key] is None:
+            continue
+        for kind, records in (("logical", "num_records"), ("wire", "num_wire_records")):
+            expected = row[records] * row[bytes_key] / row[time_key] / 1e3
+            assert row[f"{prefix}_{kind}_gbs"] == pytest.approx(expected), (prefix, kind)
+
+
+def test_bench_rejects_iters_0_and_a_hot_fraction_above_1_with_a_clear_error(tmp_path):
+    for args, message in ((("--iters", "0"), "--iters: expected a positive integer, got '0'"),
+                          (("--hot-fraction", "2"), "--hot-fraction: expected a number in [0, 1]"),
+                          (("--samples", "-1"), "--samples: expected a positive integer")):  # fmt: skip
+        result = _bench(tmp_path, *args)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_bench_help_explains_every_column_and_the_multi_rank_rule(tmp_path):
+    text = _bench(tmp_path, "--help").stdout
+    for name, _, _ in report_columns():
+        assert f"  {name}: " in text, name
+    assert "several ranks: every time is the slowest rank's median" in text and "self-consistency" in text
+
+
+def report_columns():
+    from deep_ep.bench import COLUMNS
+
+    return COLUMNS
+
+
+def test_summary_of_imbalanced_ranks_is_recomputable_from_the_json_fields():
+    per_rank = []
+    for rank, (records, us) in enumerate(((900, 100.0), (300, 200.0))):  # the hot rank sends more, faster
+        per_rank.append([dict(_gpu_rank_rows(rank)[-1], num_records=records, num_wire_records=records // 2,
+                              dispatch_us=us, graph_dispatch_us=us / 2)])  # fmt: skip
+    (row,) = report.summarize(per_rank, dict(speed_of_light_gbs=350.0))
+    assert row["dispatch_us"] == 200.0 and row["num_records"] == 600 and row["num_records_per_rank"] == [900, 300]
+    assert row["dispatch_logical_gbs"] == pytest.approx(600 * 7456 / 200.0 / 1e3)
+    _check_recomputable(row)
 
 
 def test_bench_options_dtype_routing_and_sweep(tmp_path):
@@ -266,3 +329,82 @@ def test_bench_on_virtual_cpu_ranks_runs_every_rank_in_one_process_and_says_so(t
     assert row["dispatch_us"] > 0 and row["torch_dispatch_us"] > 0 and row["predicted_dispatch_us"] is None
     text = report.format_report(rows, document["checks"], dict(virtual_ranks=True, planner_source="test"))
     assert text.startswith("VIRTUAL RANKS")
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+
+def _many_cases(num_sms_values: tuple[int, ...]) -> list[dict]:
+    """Summarized rows of 24 cases (4 token counts x 2 dtypes x 3 routings... as labels) over `num_sms_values`."""
+    rank_rows = []
+    for index in range(24):
+        tokens = 128 * (1 + index)
+        for num_sms in (0, *num_sms_values):
+            case = cases.BenchCase(
+                tokens, 7168, 8, 256, index % 2 == 0, num_sms, ("uniform", "imbalanced")[index % 3 == 0]
+            )
+            row = dict(_gpu_rank_rows(0)[0], case=asdict(case), num_sms=num_sms or num_sms_values[0],
+                       num_sms_source="planner" if num_sms == 0 else "sweep", num_records=tokens + index,
+                       num_wire_records=tokens // 2, graph_dispatch_us=50.0 + index + num_sms,
+                       graph_cached_dispatch_us=40.0, graph_combine_us=90.0 + index)  # fmt: skip
+            rank_rows.append(row)
+    return report.summarize([rank_rows], dict(speed_of_light_gbs=350.0))
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_plot_of_24_cases_keeps_legends_off_the_data_with_distinct_styles(tmp_path):
+    import matplotlib.pyplot as plt
+
+    rows = _many_cases((8, 16, 24))
+    fig = report.build_figure(rows, dict(speed_of_light_gbs=350.0, speed_of_light_by_sms={8: 200.0, 132: 350.0}), "p")
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        data_axes = [axis for axis in fig.axes if axis.axison]
+        legends = [axis.get_legend() for axis in fig.axes if axis.get_legend() is not None]
+        assert len(data_axes) == 3 and len(legends) == 2
+        for legend in legends:
+            for axis in data_axes:
+                assert not _overlaps(legend.get_window_extent(renderer), axis.get_window_extent(renderer))
+        dispatch_axis = data_axes[1]
+        styles = [
+            (line.get_color(), line.get_marker()) for line in dispatch_axis.get_lines() if line.get_marker() != "None"
+        ]
+        assert len(styles) == len({(str(c), m) for c, m in styles}) >= 24  # no case shares colour and marker
+        assert "*" not in {m for _, m in styles}  # a star is the planner's pick only
+    finally:
+        plt.close(fig)
+    assert len(set(report.plot_styles(220))) == 220
+
+
+def test_plot_of_one_sm_count_has_integer_sm_ticks(tmp_path):
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _many_cases((2,)) if r["num_sms_source"] == "planner"][:1]
+    fig = report.build_figure(rows, dict(speed_of_light_gbs=None), None)
+    try:
+        fig.canvas.draw()
+        for axis in [axis for axis in fig.axes if axis.axison][1:]:
+            ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
+            assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks), ticks
+    finally:
+        plt.close(fig)
+    report.plot(rows, str(tmp_path / "one.png"), dict(speed_of_light_gbs=None))
+    assert (tmp_path / "one.png").read_bytes()[:8] == PNG
+
+
+def test_plot_of_cpu_rows_marks_the_sm_panels_not_applicable():
+    import matplotlib.pyplot as plt
+
+    rows = [dict(r, backend="ReferenceBackend") for r in _many_cases((2,)) if r["num_sms_source"] == "planner"][:3]
+    fig = report.build_figure(rows, dict(speed_of_light_gbs=None), None)
+    try:
+        data_axes = [axis for axis in fig.axes if axis.axison]
+        assert data_axes[0].get_title().startswith("every case")
+        for axis in data_axes[1:]:
+            assert any("uses no SMs" in text.get_text() for text in axis.texts) and not axis.get_lines()
+    finally:
+        plt.close(fig)

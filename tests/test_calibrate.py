@@ -76,7 +76,9 @@ def test_the_document_loads_as_hardware_and_merges_ranks():
     document = _document(_points())
     hardware = planner.hardware_from_document(json.loads(json.dumps(document)))
     assert hardware.nvlink_gbs == TRUE["nvlink_gbs"] and hardware.num_device_sms == 132
-    assert hardware.source.startswith("calibrated: 2x test GPU") and "`test`" in hardware.source
+    # Concise provenance: machine, day, commit; the commands (and their machine paths) stay in the document
+    assert hardware.source.startswith("calibrated: 2x test GPU") and "commit" in hardware.source
+    assert "`test`" not in hardware.source
     assert hardware.rdma_gbs == calibrate.NOMINAL_RDMA_GBS
     slow = [dict(p, us=2 * p["us"]) for p in _points()]
     merged = calibrate.merge_ranks([dict(probe=[dict(num_sms=8, gbs=100.0)], points=_points()),

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from deep_ep.jit import compile_many
 from deep_ep.jit.nccl_headers import find_nccl, version_string
 
@@ -42,6 +43,7 @@ def test_info_prints_not_found_instead_of_crashing(jit_cache, tmp_path):
     assert "not found" in nvcc_line and "EP_JIT_NVCC_COMPILER" in nvcc_line
 
 
+@pytest.mark.nvcc
 def test_jit_warmup_list_and_clear(jit_cache):
     first = deep_ep("jit", "warmup", "--arch", "sm_90a", "--filter", "peer_store")
     assert first.returncode == 0, first.stderr
@@ -59,6 +61,7 @@ def test_jit_warmup_list_and_clear(jit_cache):
     assert f"{jit_cache}: 0 entries" in deep_ep("jit", "list").stdout
 
 
+@pytest.mark.nvcc
 def test_jit_warmup_dry_run_lists_the_registry_and_errors_are_clean(jit_cache):
     dry = deep_ep("jit", "warmup", "--arch", "sm_90a", "--dry-run")
     assert dry.returncode == 0, dry.stderr
@@ -69,6 +72,7 @@ def test_jit_warmup_dry_run_lists_the_registry_and_errors_are_clean(jit_cache):
     assert failed.returncode == 1 and "deep-ep: error:" in failed.stderr and "architecture" in failed.stderr
 
 
+@pytest.mark.nvcc
 def test_default_warmup_set_compiles_and_the_parser_has_a_place_for_more_commands(jit_cache):
     (entry,) = compile_many(default_warmup_specs())
     assert entry.name == "deep_ep::peer_store_impl<512>"

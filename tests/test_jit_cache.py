@@ -34,6 +34,7 @@ def entry_dirs(root: Path) -> list[Path]:
     return sorted((root / "kernels").iterdir()) if (root / "kernels").is_dir() else []
 
 
+@pytest.mark.nvcc
 def test_miss_compiles_with_nvcc_then_hit_runs_no_compiler(jit_cache):
     before, compiles = invocation_count(), stats().get("compile", 0)
     first = compile_spec(jit_specs.spill())
@@ -48,6 +49,7 @@ def test_miss_compiles_with_nvcc_then_hit_runs_no_compiler(jit_cache):
 
 
 @pytest.mark.parametrize("damage", ["truncate_cubin", "flip_cubin_byte", "delete_cubin", "garbage_metadata"])
+@pytest.mark.nvcc
 def test_a_damaged_entry_is_detected_removed_and_rebuilt(jit_cache, damage):
     entry = compile_spec(jit_specs.spill())
     cubin = entry.binary_path
@@ -73,6 +75,7 @@ def _compile_in_child(barrier: multiprocessing.synchronize.Barrier, queue: multi
     queue.put((str(entry.path), hashlib.sha256(entry.read_binary()).hexdigest(), stats().get("compile", 0)))
 
 
+@pytest.mark.nvcc
 def test_two_processes_compiling_the_same_spec_leave_one_valid_entry(jit_cache):
     context = multiprocessing.get_context("spawn")
     barrier, queue = context.Barrier(2), context.Queue()
@@ -111,6 +114,7 @@ def test_publish_keeps_the_first_entry_and_discards_a_late_copy(jit_cache):
     assert cache.publish(_write_entry(key, b"third"), "kernels", key).read_binary() == b"third"
 
 
+@pytest.mark.nvcc
 def test_key_follows_header_contents_transitively(tmp_path):
     include = tmp_path / "include"
     (include / "demo").mkdir(parents=True)
@@ -135,6 +139,7 @@ def test_key_follows_header_contents_transitively(tmp_path):
     assert plan_build(moved).key == plan_build(spec).key
 
 
+@pytest.mark.nvcc
 def test_entries_usage_and_clear(jit_cache):
     entry = compile_spec(jit_specs.spill())
     (jit_cache / "tmp" / "build-leftover").mkdir()

@@ -34,6 +34,7 @@ def cubin_sm(data: bytes) -> int:
     return (flags >> 8) & 0xFF if data[8] >= 8 else flags & 0xFF
 
 
+@pytest.mark.nvcc
 def test_nccl_kernel_compiles_to_an_sm90a_cubin_with_its_mangled_name():
     entry = compile_spec(peer_pointers_spec())
     data = entry.binary_path.read_bytes()
@@ -59,6 +60,7 @@ def test_nccl_kernel_compiles_to_an_sm90a_cubin_with_its_mangled_name():
     assert source.count("template __global__") == 1 and instantiation in source
 
 
+@pytest.mark.nvcc
 def test_kernel_lookup_skips_non_inlined_device_functions(jit_cache):
     entry = compile_spec(jit_specs.spill())
     data = entry.binary_path.read_bytes()
@@ -66,6 +68,7 @@ def test_kernel_lookup_skips_non_inlined_device_functions(jit_cache):
     assert "spill_helper" in entry.metadata["ptxas_log"]  # the helper is a separate function in the cubin
 
 
+@pytest.mark.nvcc
 def test_compile_error_carries_the_nvcc_command_and_stderr(jit_cache):
     with pytest.raises(JITCompileError) as caught:
         compile_spec(jit_specs.broken())
@@ -81,6 +84,7 @@ def test_compile_error_carries_the_nvcc_command_and_stderr(jit_cache):
     assert not any((jit_cache / "tmp").iterdir())
 
 
+@pytest.mark.nvcc
 def test_wrong_expected_nccl_version_stops_the_build_at_the_guard(jit_cache):
     wrong = find_nccl().header_version + 1
     with pytest.raises(JITCompileError) as caught:
@@ -89,6 +93,7 @@ def test_wrong_expected_nccl_version_stops_the_build_at_the_guard(jit_cache):
     assert "#error" in caught.value.stderr or "error" in caught.value.stderr
 
 
+@pytest.mark.nvcc
 def test_ptxas_check_rejects_local_memory_also_on_a_cache_hit(jit_cache, monkeypatch):
     monkeypatch.setenv("EP_JIT_PTXAS_CHECK", "1")
     with pytest.raises(PtxasCheckError) as caught:
@@ -101,6 +106,7 @@ def test_ptxas_check_rejects_local_memory_also_on_a_cache_hit(jit_cache, monkeyp
     assert compile_spec(jit_specs.spill()).symbol is not None
 
 
+@pytest.mark.nvcc
 def test_ptxas_check_accepts_the_nccl_kernel(monkeypatch):
     monkeypatch.setenv("EP_JIT_PTXAS_CHECK", "1")
     entry = compile_spec(peer_pointers_spec())
@@ -108,6 +114,7 @@ def test_ptxas_check_accepts_the_nccl_kernel(monkeypatch):
     assert resources["stack_frame"] == resources["spill_stores"] == resources["spill_loads"] == 0
 
 
+@pytest.mark.nvcc
 def test_verbose_switches_print_the_command_and_the_ptxas_report(jit_cache, monkeypatch, capfd):
     monkeypatch.setenv("EP_JIT_PRINT_COMPILER_COMMAND", "1")
     monkeypatch.setenv("EP_JIT_PTXAS_VERBOSE", "1")
@@ -122,6 +129,7 @@ def test_verbose_switches_print_the_command_and_the_ptxas_report(jit_cache, monk
     assert "-gencode" not in second  # no compiler ran
 
 
+@pytest.mark.nvcc
 def test_lineinfo_and_arch_change_the_key_but_nothing_else_does(monkeypatch):
     spec = jit_specs.spill()
     base = plan_build(spec)
@@ -139,6 +147,7 @@ def test_lineinfo_and_arch_change_the_key_but_nothing_else_does(monkeypatch):
     assert plan_build(other).key != base.key
 
 
+@pytest.mark.nvcc
 def test_dump_sass_writes_sass_or_warns_without_a_disassembler(jit_cache, monkeypatch):
     monkeypatch.setenv("EP_JIT_DUMP_SASS", "1")
     if find_disassembler(find_nvcc()) is None:

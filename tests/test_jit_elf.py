@@ -7,6 +7,9 @@ from deep_ep.jit import JITCompileError, compile_spec
 from deep_ep.jit.elf import ELFError, kernel_symbols, single_kernel_symbol
 from kernels import jit_specs
 
+# Every test here compiles with nvcc (skipped with the reason where it is not found: tests/conftest.py)
+pytestmark = pytest.mark.nvcc
+
 
 def test_symbols_of_a_real_cubin_and_malformed_input(jit_cache):
     data = compile_spec(jit_specs.coop()).binary_path.read_bytes()

@@ -9,6 +9,9 @@ from deep_ep.jit import JITCompileError, load_host_library, stats
 from deep_ep.jit.host import build_host_library
 from deep_ep.jit.nccl_headers import find_nccl, loaded_libraries
 
+# Every test here compiles with nvcc (skipped with the reason where it is not found: tests/conftest.py)
+pytestmark = pytest.mark.nvcc
+
 # sizeof(ncclDevComm) per release, measured (docs: shared/docs/nccl.md).
 DEV_COMM_BYTES = {22809: 200, 23007: 240, 23203: 248}
 

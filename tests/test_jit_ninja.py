@@ -7,6 +7,9 @@ from deep_ep.jit import JITCompileError, cache, compile_many, compile_spec, stat
 from deep_ep.jit.elf import kernel_symbols
 from kernels import jit_specs
 
+# Every test here compiles with nvcc (skipped with the reason where it is not found: tests/conftest.py)
+pytestmark = pytest.mark.nvcc
+
 
 def test_gpu_test_kernels_compile_in_parallel_with_a_progress_bar(jit_cache, capfd):
     specs = jit_specs.gpu_test_specs()

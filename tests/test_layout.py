@@ -90,10 +90,12 @@ def _sm90a_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("EP_JIT_CACHE_DIR", str(tmp_path / "cache"))
 
 
+@pytest.mark.nvcc
 def test_python_and_cuda_layouts_agree(tmp_path):
     _compile(tmp_path, _assertions())
 
 
+@pytest.mark.nvcc
 def test_a_wrong_constant_is_caught(tmp_path):
     with pytest.raises(JITCompileError, match="static assertion failed"):
         _compile(tmp_path, _assertions(offset_delta=4))

@@ -10,6 +10,9 @@ from deep_ep.jit.nccl_headers import find_nccl
 
 from deep_ep.backends.kernels.nccl import device_comm
 
+# Every test here compiles with nvcc (skipped with the reason where it is not found: tests/conftest.py)
+pytestmark = pytest.mark.nvcc
+
 
 @pytest.fixture
 def shim(jit_cache):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -300,6 +302,58 @@ def test_plan_command_prints_both_modes_and_json():
 
 def test_plan_command_rejects_impossible_shapes():
     result = _cli("--ranks", "6", "--ranks-per-node", "4")
-    assert result.returncode == 1 and "ranks_per_node" in result.stderr
+    assert result.returncode == 1 and "`--ranks-per-node` (4)" in result.stderr
     result = _cli("--ranks", "64", "--experts", "100")
     assert result.returncode == 1 and "experts" in result.stderr
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_plan_on_one_node_defaults_ranks_per_node_and_prints_one_direct_row(num_ranks):
+    result = _cli("--ranks", str(num_ranks), "--fp8")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines() if line.startswith(("direct", "hybrid"))]
+    assert rows == ["direct"] and "not built" not in result.stdout
+    assert f"(1 node x {num_ranks} ranks)" in result.stdout
+    document = json.loads(_cli("--ranks", str(num_ranks), "--json").stdout)
+    assert [p["mode"] for p in document["plans"]] == ["direct"] and document["plans"][0]["built"]
+
+
+def test_plan_json_shape_holds_the_shape_only_and_rates_are_concise():
+    document = json.loads(_cli("--ranks", "16", "--hidden", "4096", "--json").stdout)
+    assert document["shape"] == {"num_ranks": 16, "num_ranks_per_node": 8, "num_tokens": 8192, "hidden": 4096,
+                                 "num_topk": 8, "num_experts": 256, "fp8_dispatch": False}  # fmt: skip
+    assert "/root" not in document["hardware"]["source"] and "`" not in document["hardware"]["source"]
+
+
+def test_plan_across_nodes_says_the_rows_are_not_built():
+    result = _cli("--ranks", "16", "--fp8")
+    rows = [line.split()[0] for line in result.stdout.splitlines() if line.startswith(("direct", "hybrid"))]
+    assert rows == ["direct*", "hybrid*"]
+    assert "* not built: across nodes (RDMA) ElasticBuffer falls back to the reference backend" in result.stdout
+    document = json.loads(_cli("--ranks", "16", "--json").stdout)
+    assert not any(p["built"] for p in document["plans"]) and "reference backend" in document["notes"][0]
+
+
+def test_plan_help_gives_defaults_and_units():
+    text = _cli("--help").stdout
+    for expected in ("min(ranks, 8)", "default 7168", "default 8192", "tokens per rank", "default 256",
+                     "hidden size H in elements", "(default: BF16)"):  # fmt: skip
+        assert expected in text, expected
+
+
+def test_plan_rejects_an_fp8_hidden_dispatch_rejects_with_the_same_rule():
+    from deep_ep.records import hidden_row_error
+    from deep_ep.validation import check_hidden
+
+    result = _cli("--ranks", "2", "--fp8", "--hidden", "1000")
+    assert result.returncode == 1 and hidden_row_error(1000, 1) in result.stderr
+    with pytest.raises(ValueError, match=re.escape(hidden_row_error(1000, 1))):
+        check_hidden("dispatch", "x[0]", SimpleNamespace(hidden=0), 1000, 1)
+    assert _cli("--ranks", "2", "--hidden", "1000").returncode == 0  # BF16: 2000 bytes, a multiple of 16
+    assert _cli("--ranks", "2", "--hidden", "1004").returncode == 1
+
+
+def test_plan_warns_about_a_huge_buffer():
+    result = _cli("--ranks", "2", "--tokens", "100000000")
+    assert result.returncode == 0 and "warning: a buffer of" in result.stderr and "tokens per rank" in result.stderr
+    assert "warning" not in _cli("--ranks", "2").stderr

@@ -108,3 +108,12 @@ def test_single_rank_dispatch_and_handle(group: dist.ProcessGroup) -> None:
     combined, combined_weights, _ = buffer.combine(recv_x, handle, topk_weights=recv_weights)
     assert torch.equal(combined[routed], x[routed]) and not combined[~routed].any()
     assert torch.equal(combined_weights, topk_weights.masked_fill(topk_idx < 0, 0))
+
+
+def test_num_max_tokens_per_rank_errors_state_one_rule(group: dist.ProcessGroup) -> None:
+    """Negative is never allowed (>= 0); 0 (no default) only with `num_bytes`, and the text says so."""
+    with pytest.raises(ValueError, match=r"`num_max_tokens_per_rank` must be >= 0, got -1"):
+        deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=-1, hidden=128)
+    with pytest.raises(ValueError, match=r"must be >= 1 \(they size the buffer; 0, no default, needs `num_bytes`\)"):
+        deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=0, hidden=128)
+    assert deep_ep.ElasticBuffer(group, num_bytes=2 << 20, num_max_tokens_per_rank=0).num_max_tokens_per_rank == 0

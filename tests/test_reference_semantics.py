@@ -84,6 +84,12 @@ def check_agreement(buffer: deep_ep.ElasticBuffer, gen: torch.Generator) -> None
         buffer.dispatch(x, topk_idx, num_experts=8 if rank == 0 else 16)
     with pytest.raises(ValueError, match="all ranks must pass the same `hidden`"):
         buffer.dispatch(x[:, : H // 2 * (1 + rank)].contiguous(), topk_idx, num_experts=8)
+    # Fields the user did not name are worded as the arguments they come from
+    with pytest.raises(ValueError, match=r"the same `topk_weights`, got \[given, None\]"):
+        buffer.dispatch(x, topk_idx, torch.ones(4, 2, device=device) if rank == 0 else None, num_experts=8)
+    with pytest.raises(ValueError, match=r"the same `x` dtype, got \[bfloat16, float8_e4m3fn\]"):
+        fp8 = (x.to(torch.float8_e4m3fn), torch.ones(4, H // 128, device=device))
+        buffer.dispatch(x if rank == 0 else fp8, topk_idx, num_experts=8)
     with pytest.raises(ValueError, match="`num_experts` must be a multiple of the number of ranks"):
         buffer.dispatch(x, topk_idx, num_experts=7)
     # Only rank 0 calls with a bad argument: it raises before communicating, so nothing desynchronizes

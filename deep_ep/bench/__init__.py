@@ -14,3 +14,34 @@ from __future__ import annotations
 DTYPES = ("fp8", "bf16")
 ROUTINGS = ("uniform", "imbalanced")
 DEFAULT_HOT_FRACTION = 0.5  # imbalanced routing: the share of tokens that prefer the hot rank's experts
+
+# One rule for every figure of several ranks, in the tables, the JSON, the progress lines and the plots
+MULTI_RANK_RULE = (
+    "every time is the slowest rank's median time per call (a collective ends with its last rank); every byte "
+    "count is the mean over ranks of each rank's records x record bytes (the JSON's `num_records`, "
+    "`num_wire_records` and `dispatch_bytes` / `combine_bytes`); GB/s = those bytes / that time"
+)
+# The columns of the tables: (column, what it holds, shown on CPU ranks)
+COLUMNS = (
+    ("SMs", "SMs of every call; * = the planner's pick (num_sms=0); n/a on the reference backend (no SMs)", True),
+    ("dispatch us, combine us", "eager calls: dispatch with CPU sync (exact shapes), then a combine of its handle",
+     True),
+    ("log GB/s", "logical bandwidth: every (token, destination rank) record, the rank's own included", True),
+    ("wire GB/s", "wire bandwidth: only the records that leave the rank (over NVLink on GPUs)", True),
+    ("torch d/c us", "dispatch / combine through torch.distributed all_to_all_single, as a user would write it",
+     True),
+    ("x torch d/c", "torch's time over ours, dispatch / combine (above 1: ours is faster)", True),
+    ("%SoL d/c", "wire GB/s over the speed of light (our peer-store probe on all SMs, every rank writing)", False),
+    ("fresh, cached, combine us", "CUDA-graph device time per call: dispatch without CPU sync, dispatch with "
+     "handle=, combine", False),
+    ("pred d/c us, err d/c %", "the planner's predicted graph time and its error against the measured one", False),
+)  # fmt: skip
+
+CPU_SMS = "n/a: the reference backend (torch collectives) uses no SMs"
+
+
+def columns_text(cpu: bool = False) -> str:
+    """The column legend of `deep-ep bench` (`cpu`: only the columns CPU ranks show)."""
+    lines = [f"  {name}: {CPU_SMS if cpu and name == 'SMs' else meaning}" for name, meaning, on_cpu in COLUMNS
+             if on_cpu or not cpu]  # fmt: skip
+    return "\n".join(["columns:", *lines, f"several ranks: {MULTI_RANK_RULE}"])

@@ -1,7 +1,9 @@
 """The report of `deep-ep bench`: one row per case, the tables, the checks, the JSON and the plot.
 
-Rows hold times in microseconds (the slowest rank's), bandwidths in GB/s (mean over ranks of each
-rank's bytes over its time) and ratios. `graph_*` fields come from CUDA-graph replays (the kernel
+Rows hold times in microseconds, bandwidths in GB/s and ratios, by one rule for several ranks
+(`deep_ep.bench.MULTI_RANK_RULE`): a time is the slowest rank's, a record count the mean over ranks
+(`num_records`, `num_wire_records`; per rank in `*_per_rank`), and GB/s = records x record bytes /
+time, so every GB/s can be recomputed from the row. `graph_*` fields come from CUDA-graph replays (the kernel
 time of the bandwidth convention); the others from eager calls with CPU sync.
 
 Checks:
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import MULTI_RANK_RULE, columns_text
 from .cases import BenchConfig
 
 # Row fields with times: (field, the record bytes they move)
@@ -42,23 +45,23 @@ PLANNER_FRACTION, PLANNER_SM_RATIO, PREDICTION_TOLERANCE = 0.95, 1.25, 0.25
 
 
 def summarize(per_rank: list[list[dict]], meta: dict) -> list[dict]:
-    """One row per case: the slowest rank's times, the mean bandwidth over ranks, and the ratios."""
+    """One row per case by `MULTI_RANK_RULE`: the slowest rank's times, the mean record counts over ranks,
+    GB/s from those two, and the ratios."""
     sol = meta.get("speed_of_light_gbs")
     rows = []
     for case_rows in zip(*per_rank, strict=True):
         row = dict(case_rows[0])
         row.pop("rank")
+        for key in ("num_records", "num_wire_records"):
+            row[f"{key}_per_rank"] = [r[key] for r in case_rows]
+            row[key] = statistics.mean(r[key] for r in case_rows)
         for prefix, time_key, bytes_key in TIMED:
             if case_rows[0][time_key] is None:
                 row.update({f"{prefix}_logical_gbs": None, f"{prefix}_wire_gbs": None, f"{prefix}_wire_vs_sol": None})
                 continue
             row[time_key] = max(r[time_key] for r in case_rows)
-            row[f"{prefix}_logical_gbs"] = statistics.mean(
-                r["num_records"] * r[bytes_key] / r[time_key] / 1e3 for r in case_rows
-            )
-            row[f"{prefix}_wire_gbs"] = statistics.mean(
-                r["num_wire_records"] * r[bytes_key] / r[time_key] / 1e3 for r in case_rows
-            )
+            row[f"{prefix}_logical_gbs"] = row["num_records"] * row[bytes_key] / row[time_key] / 1e3
+            row[f"{prefix}_wire_gbs"] = row["num_wire_records"] * row[bytes_key] / row[time_key] / 1e3
             row[f"{prefix}_wire_vs_sol"] = row[f"{prefix}_wire_gbs"] / sol if sol else None
         row["speed_of_light_gbs"] = sol
         for key in ("torch_dispatch_us", "torch_combine_us"):
@@ -223,13 +226,25 @@ def _f(value: float | None, spec: str, width: int) -> str:
     return f"{value:{width}{spec}}" if value is not None else f"{'n/a':>{width}}"
 
 
+def _gbs(value: float, width: int) -> str:
+    """GB/s with one decimal, or three below 1 GB/s (CPU ranks), so that no rate prints as 0.0."""
+    return f"{value:>{width}.1f}" if value >= 1 else f"{value:>{width}.3f}"
+
+
 def _pair(a: float | None, b: float | None, spec: str, width: int) -> str:
     if a is None or b is None:
         return f"{'n/a':>{width}}"
     return f"{f'{a:{spec}}/{b:{spec}}':>{width}}"
 
 
+def _uses_sms(row: dict) -> bool:
+    """Whether the SM count means anything: the reference backend (torch collectives) has no SMs."""
+    return row["backend"] != "ReferenceBackend"
+
+
 def _sms(row: dict) -> str:
+    if not _uses_sms(row):
+        return "n/a"
     return f"{row['num_sms']}{'*' if row['num_sms_source'] == 'planner' else ''}"
 
 
@@ -239,7 +254,9 @@ def _case_columns(row: dict) -> str:
 
 
 def progress_line(done: int, total: int, row: dict) -> str:
-    text = f"[{done}/{total}] {_label(row)} SMs={_sms(row)}: eager {row['dispatch_us']:.0f}/{row['combine_us']:.0f} us"
+    """The line printed after a case: its row by `MULTI_RANK_RULE` (the figures the table shows)."""
+    text = (f"[{done}/{total}] {_label(row)} SMs={_sms(row)}: eager {row['dispatch_us']:.1f}/{row['combine_us']:.1f} us "
+            "(dispatch/combine, slowest rank)")  # fmt: skip
     if row["graph_dispatch_us"] is not None:
         text += (f", graph {row['graph_dispatch_us']:.1f}/{row['graph_cached_dispatch_us']:.1f}/"
                  f"{row['graph_combine_us']:.1f} us (fresh/cached/combine)")  # fmt: skip
@@ -247,9 +264,11 @@ def progress_line(done: int, total: int, row: dict) -> str:
 
 
 def format_eager_table(rows: list[dict]) -> str:
+    """The eager table; the %SoL column only where the speed of light was measured (GPUs)."""
+    with_sol = any(r["dispatch_wire_vs_sol"] is not None for r in rows)
     header = (f"{'T':>6} {'dtype':>5} {'routing':>10} {'SMs':>5} | {'dispatch us':>11} {'log GB/s':>8} {'wire GB/s':>9} | "
-              f"{'combine us':>10} {'log GB/s':>8} {'wire GB/s':>9} | {'torch d/c us':>17} {'x torch d/c':>11} | "
-              f"{'%SoL d/c':>9}")  # fmt: skip
+              f"{'combine us':>10} {'log GB/s':>8} {'wire GB/s':>9} | {'torch d/c us':>17} {'x torch d/c':>11}"
+              + (f" | {'%SoL d/c':>9}" if with_sol else ""))  # fmt: skip
     lines = [
         "eager calls (dispatch with CPU sync = exact shapes, then combine of its handle):",
         header,
@@ -259,10 +278,11 @@ def format_eager_table(rows: list[dict]) -> str:
         pct = (_pair(100 * r["dispatch_wire_vs_sol"], 100 * r["combine_wire_vs_sol"], ".0f", 9)
                if r["dispatch_wire_vs_sol"] is not None else f"{'n/a':>9}")  # fmt: skip
         lines.append(
-            f"{_case_columns(r)} | {r['dispatch_us']:>11.1f} {r['dispatch_logical_gbs']:>8.1f} "
-            f"{r['dispatch_wire_gbs']:>9.1f} | {r['combine_us']:>10.1f} {r['combine_logical_gbs']:>8.1f} "
-            f"{r['combine_wire_gbs']:>9.1f} | {_pair(r['torch_dispatch_us'], r['torch_combine_us'], '.1f', 17)} "
-            f"{_pair(r['dispatch_speedup_vs_torch'], r['combine_speedup_vs_torch'], '.2f', 11)} | {pct}"
+            f"{_case_columns(r)} | {r['dispatch_us']:>11.1f} {_gbs(r['dispatch_logical_gbs'], 8)} "
+            f"{_gbs(r['dispatch_wire_gbs'], 9)} | {r['combine_us']:>10.1f} {_gbs(r['combine_logical_gbs'], 8)} "
+            f"{_gbs(r['combine_wire_gbs'], 9)} | {_pair(r['torch_dispatch_us'], r['torch_combine_us'], '.1f', 17)} "
+            f"{_pair(r['dispatch_speedup_vs_torch'], r['combine_speedup_vs_torch'], '.2f', 11)}"
+            + (f" | {pct}" if with_sol else "")
         )  # fmt: skip
     return "\n".join(lines)
 
@@ -344,24 +364,41 @@ VIRTUAL_RANKS_NOTE = (
 )
 
 
+SELF_CHECK_NOTE = (
+    "checked: the reference backend is what runs here, so each case was checked against itself (a "
+    "self-consistency check of dispatch and combine); on GPUs the kernels are checked against deep_ep.reference"
+)
+
+
 def format_report(rows: list[dict], found: dict[str, list[dict]], meta: dict) -> str:
+    """The tables, the checks and a footer: the columns, the multi-rank rule, the check and the provenance."""
     parts = [VIRTUAL_RANKS_NOTE] if meta.get("virtual_ranks") else []
     parts.append(format_eager_table(rows))
+    on_gpu = any(_uses_sms(r) for r in rows)
     if any(r["graph_dispatch_us"] is not None for r in rows):
         parts.append(format_graph_table(rows))
+    elif on_gpu:
+        parts.append("CUDA-graph replay: not measured (--no-graphs)")
     else:
-        parts.append("CUDA-graph replay: not measured (CPU ranks, --no-graphs, or no NVLink kernels)")
+        parts.append("CUDA-graph replay: not measured (GPUs only; CPU ranks run the reference backend)")
     sol = meta.get("speed_of_light_gbs")
     if sol:
         by_sms = ", ".join(f"{m}: {v:.0f}" for m, v in (meta.get("speed_of_light_by_sms") or {}).items())
         where = " between virtual ranks of one GPU" if meta.get("virtual_ranks") else ""
         parts.append(f"speed of light (peer-store probe{where}, every rank writing): {sol:.1f} GB/s per direction "
                      f"(by SMs: {by_sms})")  # fmt: skip
-    parts.append("* = the planner's pick (num_sms=0, ElasticBuffer.get_theoretical_num_sms for this shape); "
-                 f"planner rates: {meta.get('planner_source')}")  # fmt: skip
+    if on_gpu:
+        parts.append("* = the planner's pick (num_sms=0, ElasticBuffer.get_theoretical_num_sms for this shape); "
+                     f"planner rates: {meta.get('planner_source')}")  # fmt: skip
     for text in (format_checks(found), format_breakdowns(rows)):
         if text:
             parts.append(text)
+    footer = [columns_text(cpu=not on_gpu)]
+    if meta.get("checked_against") == "itself":
+        footer.append(SELF_CHECK_NOTE)
+    if meta.get("provenance"):
+        footer.append(f"measured: {meta['provenance']}")
+    parts.append("\n".join(footer))
     return "\n\n".join(parts)
 
 
@@ -415,74 +452,141 @@ def write_json(path: str, rows: list[dict], found: dict, meta: dict, config: Ben
         torch=torch.__version__, seed=config.seed, num_iters=config.num_iters, num_warmups=config.num_warmups,
         num_rotations=config.num_rotations, num_graph_rotations=config.num_graph_rotations,
         num_graph_samples=config.num_graph_samples,
-        hot_fraction=config.hot_fraction, speed_of_light_gbs=meta.get("speed_of_light_gbs"),
+        hot_fraction=config.hot_fraction, multi_rank_rule=MULTI_RANK_RULE,
+        checked_against=meta.get("checked_against"), speed_of_light_gbs=meta.get("speed_of_light_gbs"),
         speed_of_light_by_sms=meta.get("speed_of_light_by_sms"), planner_source=meta.get("planner_source"),
         checks=found, results=rows,
     )  # fmt: skip
     Path(path).write_text(json.dumps(document, indent=2) + "\n")
 
 
-def plot(rows: list[dict], path: str, meta: dict, provenance: str | None = None) -> None:
-    """Wire GB/s vs tokens (the planner's picks), and dispatch / combine wire GB/s vs SMs (sweeps, the
-    planner's pick starred, the peer-store probe for reference); graph times where measured.
-    `provenance` (commit, command, hardware, date) goes into the figure and the PNG's metadata."""
+# Markers of the plots' cases (never "*": a star is the planner's pick); 11 markers and 20 colours give 220
+# distinct (colour, marker) pairs
+PLOT_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "p")
+
+
+def plot_styles(num: int) -> list[tuple[tuple, str]]:
+    """`num` distinct (colour, marker) pairs: tab20's dark shades, then its light ones, with the markers."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    colors = [cmap(i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
+    return [(colors[i % len(colors)], PLOT_MARKERS[i % len(PLOT_MARKERS)]) for i in range(num)]
+
+
+def build_figure(rows: list[dict], meta: dict, provenance: str | None = None):
+    """The figure of `plot`: three panels (wire GB/s vs tokens at the planner's pick; dispatch and combine
+    wire GB/s vs SMs), each case with its own colour and marker, the legends below the panels (outside the
+    data), integer SM ticks. Returns the matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-    fig, (by_tokens, *by_sms) = plt.subplots(1, 3, figsize=(18, 5))
     graph = any(r["graph_dispatch_us"] is not None for r in rows)
     prefix = "graph_" if graph else ""
+    timing = "graph" if graph else "eager"
     series: dict[str, list[dict]] = {}
     for row in rows:
         c = row["case"]
         series.setdefault(f"{'fp8' if c['fp8_dispatch'] else 'bf16'} {c['routing']}", []).append(row)
+    groups = list(_groups(rows).values())
+    series_styles = dict(zip(series, plot_styles(len(series)), strict=True))
+    group_styles = plot_styles(len(groups))
+
+    # Legends go in a row of their own below the panels; its height follows the number of entries
+    num_legend_rows = max(-(-(2 * len(series) + 1) // 2), -(-(len(groups) + 3) // 3))
+    legend_height = 0.2 * num_legend_rows + 0.2
+    fig = plt.figure(figsize=(18, 5 + legend_height))
+    grid = fig.add_gridspec(2, 3, height_ratios=[5, legend_height])
+    by_tokens = fig.add_subplot(grid[0, 0])
+    by_sms = [fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[0, 2])]
+    token_legend, case_legend = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1:])
+    for axis in (token_legend, case_legend):
+        axis.axis("off")
+
+    tokens_seen: set[int] = set()
     for name, group in series.items():
+        color, marker = series_styles[name]
         picks = sorted((r for r in group if r["num_sms_source"] == "planner"), key=lambda r: r["case"]["num_tokens"])
         for op, style in (("dispatch", "-"), ("combine", "--")):
             points = [(r["case"]["num_tokens"], r[f"{prefix}{op}_wire_gbs"]) for r in picks
                       if r[f"{prefix}{op}_wire_gbs"] is not None]  # fmt: skip
             if points:
-                by_tokens.plot(*zip(*points, strict=True), style, marker="o", label=f"{op}, {name}")
+                tokens_seen.update(t for t, _ in points)
+                by_tokens.plot(*zip(*points, strict=True), style, color=color, marker=marker, label=f"{op}, {name}")
+    sms_seen: set[int] = set()
+    uses_sms = any(_uses_sms(r) for r in rows)
     for axis, op in zip(by_sms, ("dispatch", "combine"), strict=True):
-        for group in _groups(rows).values():
+        if not uses_sms:
+            axis.text(0.5, 0.5, "n/a: the reference backend (torch collectives)\nuses no SMs", ha="center",
+                      va="center", transform=axis.transAxes)  # fmt: skip
+            axis.set_xticks([])
+            axis.set_yticks([])
+        for group, (color, marker) in zip(groups, group_styles, strict=True) if uses_sms else ():
+            label = _label(group[0])
             sweep = sorted((r["num_sms"], r[f"{prefix}{op}_wire_gbs"]) for r in group
                            if r["num_sms_source"] == "sweep" and r[f"{prefix}{op}_wire_gbs"] is not None)  # fmt: skip
-            label = _label(group[0])
+            picks = [(r["num_sms"], r[f"{prefix}{op}_wire_gbs"]) for r in group
+                     if r["num_sms_source"] == "planner" and r[f"{prefix}{op}_wire_gbs"] is not None]  # fmt: skip
+            sms_seen.update(m for m, _ in sweep + picks)
             if sweep:
-                (line,) = axis.plot(*zip(*sweep, strict=True), marker="o", label=label)
-                color = line.get_color()
-            else:
-                color = None
-            for r in group:
-                if r["num_sms_source"] == "planner" and r[f"{prefix}{op}_wire_gbs"] is not None:
-                    axis.scatter([r["num_sms"]], [r[f"{prefix}{op}_wire_gbs"]], marker="*", s=220, color=color,
-                                 edgecolors="black", zorder=5, label=f"{label}, planner's pick")  # fmt: skip
+                axis.plot(*zip(*sweep, strict=True), color=color, marker=marker, label=label)
+            for m, gbs in picks:
+                axis.scatter([m], [gbs], marker="*", s=220, color=color, edgecolors="black", zorder=5,
+                             label=None if sweep else label)  # fmt: skip
         probe = meta.get("speed_of_light_by_sms") or {}
         if probe:
             points = sorted((int(m), v) for m, v in probe.items())
             axis.plot(*zip(*points, strict=True), ":", color="gray", label="peer-store probe")
-        axis.set_title(f"{op} ({'graph' if graph else 'eager'} time)")
+        axis.set_title(f"{op} ({timing} time) vs SMs")
         axis.set_xlabel("SMs")
+        if uses_sms:
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(sms_seen) == 1:  # one SM count: a readable range around it, integer ticks
+        (only,) = sms_seen
+        for axis in by_sms:
+            axis.set_xlim(max(0, only - 4), only + 4)
     sol = meta.get("speed_of_light_gbs")
     for axis in (by_tokens, *by_sms):
         if sol:
-            axis.axhline(
-                sol,
-                linestyle="--",
-                color="gray",
-                linewidth=0.8,
-                label="peer-store SoL, one GPU" if meta.get("virtual_ranks") else "NVLink SoL (per direction)",
-            )
+            axis.axhline(sol, linestyle="--", color="gray", linewidth=0.8,
+                         label="peer-store SoL, one GPU" if meta.get("virtual_ranks") else "NVLink SoL (per direction)")  # fmt: skip
         axis.set_ylabel("wire GB/s (per direction)")
-        axis.legend(fontsize=7)
+        top = axis.get_ylim()[1]
+        axis.set_ylim(0, 1.08 * top if top > 0 else 1)  # from 0, with room above the highest point
         axis.grid(alpha=0.3)
-    by_tokens.set_title(f"planner's pick ({'graph' if graph else 'eager'} time)")
+    picked = "planner's pick" if uses_sms else "every case"
+    by_tokens.set_title(f"{picked} ({timing} time) vs tokens")
     by_tokens.set_xlabel("tokens per rank")
     by_tokens.set_xscale("log", base=2)
+    if 0 < len(tokens_seen) <= 6:  # ticks at the measured token counts (else powers of 2), written out
+        by_tokens.xaxis.set_major_locator(FixedLocator(sorted(tokens_seen)))
+    by_tokens.xaxis.set_minor_locator(NullLocator())
+    by_tokens.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.0f}"))
+
+    handles, labels = by_tokens.get_legend_handles_labels()
+    if handles:
+        token_legend.legend(handles, labels, loc="upper center", ncol=2, fontsize=8, frameon=False)
+    handles, labels = by_sms[0].get_legend_handles_labels()
+    if uses_sms:
+        handles.append(Line2D([], [], linestyle="", marker="*", markersize=13, color="white", markeredgecolor="black"))
+        labels.append("the planner's pick (star, in the case's colour)")
+    if handles:
+        case_legend.legend(handles, labels, loc="upper center", ncol=3, fontsize=8, frameon=False)
     if provenance:
         fig.suptitle(provenance, fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], path: str, meta: dict, provenance: str | None = None) -> None:
+    """Write `build_figure`'s PNG to `path`; `provenance` (commit, command, hardware, date) goes into the
+    figure and the PNG's metadata."""
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(rows, meta, provenance)
     fig.savefig(path, dpi=110, metadata={"Description": provenance} if provenance else None)
     plt.close(fig)

@@ -20,6 +20,7 @@ exactly that shape. The speed of light is our peer-store probe on all SMs, every
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -315,6 +316,27 @@ def _progress(rank: int, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+# The fields of a row that differ between ranks (times and record counts)
+PER_RANK_FIELDS = ("dispatch_us", "combine_us", "graph_dispatch_us", "graph_cached_dispatch_us", "graph_combine_us",
+                   "torch_dispatch_us", "torch_combine_us", "num_records", "num_wire_records")  # fmt: skip
+
+
+def gather_rows(row: dict, group: dist.ProcessGroup, device: str) -> list[dict]:
+    """Every rank's version of `row` (collective): `row` with each rank's `PER_RANK_FIELDS`, so that the
+    progress line can follow the multi-rank rule of the table (`report.summarize`)."""
+    values = torch.tensor([math.nan if row[k] is None else float(row[k]) for k in PER_RANK_FIELDS],
+                          dtype=torch.float64, device=device)  # fmt: skip
+    gathered = [torch.empty_like(values) for _ in range(group.size())]
+    dist.all_gather(gathered, values, group=group)
+    rows = []
+    for rank, tensor in enumerate(gathered):
+        fields = {}
+        for key, value in zip(PER_RANK_FIELDS, tensor.tolist(), strict=True):
+            fields[key] = None if math.isnan(value) else (int(value) if key.startswith("num_") else value)
+        rows.append(dict(row, rank=rank, **fields))
+    return rows
+
+
 def bench_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> dict:
     """Run every case on this rank of `group`; returns `{"rows": [...], "meta": {...}}`."""
     import deep_ep
@@ -336,7 +358,8 @@ def bench_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> dict
     largest = max(buffer_keys, key=lambda k: k[0] * k[1])
     rows: list[dict | None] = [None] * len(config.cases)
     meta: dict[str, Any] = dict(speed_of_light_gbs=None, speed_of_light_by_sms=None, num_device_sms=None,
-                                planner_source=planner.HOPPER.source, virtual_ranks=config.virtual_ranks)  # fmt: skip
+                                planner_source=planner.HOPPER.source, virtual_ranks=config.virtual_ranks,
+                                checked_against="itself" if reference is None else "deep_ep.reference")  # fmt: skip
     done = 0
     for buffer_key in buffer_keys:
         ours = make("auto", *buffer_key)
@@ -353,11 +376,17 @@ def bench_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> dict
         for index, case in enumerate(config.cases):
             if (case.num_tokens, case.hidden, case.num_topk, case.fp8_dispatch) != buffer_key:
                 continue
+            sms = "n/a" if backend_name == "ReferenceBackend" else (case.num_sms or "the planner's pick")
+            graphs = " and graph replays" if _uses_graphs(config, backend_name) else ""
+            _progress(rank, f"[{done + 1}/{len(config.cases)}] T={case.num_tokens} {case.dtype} {case.routing} "
+                            f"SMs={sms}: checking against {meta['checked_against']}, then timing "
+                            f"{config.num_iters} eager iterations{graphs}")  # fmt: skip
             if case.key not in states:
                 states[case.key] = _key_state(case, oracle, rank, num_ranks, config, group, align)
             rows[index] = _bench_case(case, ours, states[case.key], rank, num_ranks, config, group, align)
             done += 1
-            _progress(rank, report.progress_line(done, len(config.cases), rows[index]))
+            summary = report.summarize([[r] for r in gather_rows(rows[index], group, device)], meta)[0]
+            _progress(rank, report.progress_line(done, len(config.cases), summary))
         if device == "cuda" and config.speed_of_light and backend_name == "NvlinkBackend" and buffer_key == largest:
             num_device_sms = ours.backend.runtime.num_device_sms
             sms = sorted({min(c.num_sms, num_device_sms) for c in config.cases if c.num_sms} | {num_device_sms})
@@ -414,11 +443,12 @@ def run(config: BenchConfig, json_path: str | None = None, plot_path: str | None
     else:
         backend = "nccl" if config.device == "cuda" else "gloo"
         per_rank = spawn_ranks(_spawned_rank, config.num_ranks, backend=backend, args=(config,), timeout_s=1800)
-    rows = report.summarize([r["rows"] for r in per_rank], per_rank[0]["meta"])
+    meta = dict(per_rank[0]["meta"], provenance=report.provenance(command, hardware))
+    rows = report.summarize([r["rows"] for r in per_rank], meta)
     checks = report.checks(rows, config.virtual_ranks)
-    print(report.format_report(rows, checks, per_rank[0]["meta"]))
+    print(report.format_report(rows, checks, meta))
     if json_path:
-        report.write_json(json_path, rows, checks, per_rank[0]["meta"], config, command, hardware)
+        report.write_json(json_path, rows, checks, meta, config, command, hardware)
     if plot_path:
-        report.plot(rows, plot_path, per_rank[0]["meta"], report.provenance(command, hardware))
+        report.plot(rows, plot_path, meta, meta["provenance"])
     return rows

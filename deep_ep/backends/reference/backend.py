@@ -48,6 +48,15 @@ _HEADER_FIELDS = (
     "has_weights",
 )
 _SCALE_KIND_CODES = {ScaleKind.NONE: 0, ScaleKind.FP32: 1, ScaleKind.UE8M0: 2}
+# How a disagreement on a header field is worded: the user's argument and its value per rank
+_HEADER_ARGS = {
+    "cached": ("`handle` (a cached dispatch)", lambda v: "given" if v else "None"),
+    "hidden": ("`hidden` (x.shape[1])", str),
+    "element_size": ("`x` dtype", lambda v: {1: "float8_e4m3fn", 2: "bfloat16"}.get(v, f"{v}-byte")),
+    "scale_kind": ("`x` scales (x[1])", lambda v: ("none", "float32", "int32 (UE8M0)")[v]),
+    "has_weights": ("`topk_weights`", lambda v: "given" if v else "None"),
+    "do_expand": ("`do_expand`", lambda v: str(bool(v))),
+}
 
 
 @dataclass
@@ -150,8 +159,10 @@ class ReferenceBackend(EPBackend):
         for i, name in enumerate(_HEADER_FIELDS):
             values = [table[rank][i] for rank in range(self.num_ranks)]
             if len(set(values)) != 1:
+                label, show = _HEADER_ARGS.get(name, (f"`{name}`", str))
+                shown = ", ".join(show(value) for value in values)
                 raise ValueError(
-                    f"dispatch: all ranks must pass the same `{name}`, got {values} on ranks 0..{self.num_ranks - 1}"
+                    f"dispatch: all ranks must pass the same {label}, got [{shown}] on ranks 0..{self.num_ranks - 1}"
                 )
         return [table[rank][len(_HEADER_FIELDS) + self.rank_idx] for rank in range(self.num_ranks)]
 
