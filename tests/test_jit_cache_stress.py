@@ -17,6 +17,8 @@ import pytest
 from deep_ep.jit import cache, compile_many, compile_spec, stats
 from kernels import jit_specs
 
+pytestmark = pytest.mark.nvcc
+
 NUM_PROCESSES, NUM_KERNELS = 8, 20
 
 
