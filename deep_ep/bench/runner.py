@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..host_reads import wait_for_stream
+from ..host_reads import host_list, wait_for_stream
 from ..utils.spawn import spawn_ranks
 from . import report
 from .cases import BenchCase, BenchConfig, make_inputs, payload_bytes, random_rows, records_per_rank
@@ -331,7 +331,7 @@ def gather_rows(row: dict, group: dist.ProcessGroup, device: str) -> list[dict]:
     rows = []
     for rank, tensor in enumerate(gathered):
         fields = {}
-        for key, value in zip(PER_RANK_FIELDS, tensor.tolist(), strict=True):
+        for key, value in zip(PER_RANK_FIELDS, host_list(tensor), strict=True):  # polls: see deep_ep.host_reads
             fields[key] = None if math.isnan(value) else (int(value) if key.startswith("num_") else value)
         rows.append(dict(row, rank=rank, **fields))
     return rows
