@@ -8,6 +8,7 @@ chosen by name through `deep_ep.backends.registry`.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -206,6 +207,10 @@ class ElasticBuffer:
         self.num_allocated_qps = num_allocated_qps
         self.explicitly_destroy = flags["explicitly_destroy"]
         self.buffer_id = next(_buffer_ids)
+        # One call at a time: a second thread inside the same buffer would interleave two operations
+        # on one window, which every peer would then read as a sequence that diverged
+        self._in_use = threading.Lock()
+        self._user = ""
         config = BufferConfig(
             rank_idx=self.rank_idx,
             num_ranks=self.num_ranks,
@@ -268,6 +273,13 @@ class ElasticBuffer:
         return self.backend
 
     def _run(self, call: Callable[[], Any]) -> Any:
+        if not self._in_use.acquire(blocking=False):
+            raise RuntimeError(
+                f"ElasticBuffer: called from thread {threading.current_thread().name!r} while thread "
+                f"{self._user!r} is inside a call of the same buffer; a buffer serves one thread at a time "
+                "(give each thread its own buffer)"
+            )
+        self._user = threading.current_thread().name
         try:
             return call()
         except EPTimeoutError as error:
@@ -278,6 +290,8 @@ class ElasticBuffer:
             if self.backend is not None and self.backend.dead_reason is not None:
                 self._failure = self.backend.dead_reason
             raise
+        finally:
+            self._in_use.release()
 
     def _communicate(
         self,

@@ -4,6 +4,7 @@ reference backend on virtual ranks against the brute-force oracle, and the world
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -143,3 +144,39 @@ def _kernels_on_cpu(rank: int, group: LoopbackGroup) -> str:
 def test_a_cpu_world_refuses_the_kernels_backend():
     assert LoopbackWorld(2, device="cpu").run(_kernels_on_cpu) == ["ok", "ok"]
     assert loopback_world(dist.group.WORLD) is None
+
+
+def _two_threads_rank(rank: int, group: LoopbackGroup, peer_may_go: threading.Event) -> str:
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=16, hidden=128, num_topk=2, explicitly_destroy=True)
+    topk_idx, _ = uniform_routing(8, 4, 2, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn((8, 128)).to(torch.bfloat16)
+    x_before = x.clone()
+    message = "none"
+    if rank == 0:
+        first = threading.Thread(target=buffer.dispatch, args=(x,), kwargs=dict(topk_idx=topk_idx, num_experts=4),
+                                 name="first-caller")  # fmt: skip
+        first.start()  # waits inside the dispatch for rank 1, which holds back until told
+        deadline = time.monotonic() + 10
+        while not buffer._in_use.locked() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        try:
+            buffer.dispatch(x, topk_idx=topk_idx, num_experts=4)
+        except RuntimeError as error:
+            message = str(error)
+        peer_may_go.set()
+        first.join(timeout=30)
+    else:
+        peer_may_go.wait(timeout=30)
+        buffer.dispatch(x, topk_idx=topk_idx, num_experts=4)
+    handle = buffer.dispatch(x, topk_idx=topk_idx, num_experts=4)[3]  # still usable, one thread at a time
+    buffer.combine(torch.randn((handle.num_combine_rows, 128)).to(torch.bfloat16), handle)
+    assert torch.equal(x, x_before)
+    buffer.destroy()
+    return message
+
+
+def test_a_buffer_called_from_a_second_thread_while_busy_raises_and_stays_usable():
+    peer_may_go = threading.Event()
+    messages = LoopbackWorld(2, device="cpu", timeout_s=60).run(_two_threads_rank, peer_may_go)
+    assert "while thread 'first-caller' is inside a call of the same buffer" in messages[0], messages
+    assert "one thread at a time" in messages[0] and messages[1] == "none"
