@@ -119,17 +119,21 @@ def _from_loaded(lib: Path) -> NcclInstall | None:
     return NcclInstall(include_dir.resolve(), lib, "loaded", parse_version_code(include_dir / "nccl.h"))
 
 
+def _install_at(root: Path, origin: str) -> NcclInstall:
+    """The install of an `nvidia/nccl` folder: `include/`, and the library in `lib/` if there is one."""
+    include_dir = (root / "include").resolve()
+    libs = sorted((root / "lib").glob("libnccl.so*"))
+    return NcclInstall(
+        include_dir, libs[0].resolve() if libs else None, origin, parse_version_code(include_dir / "nccl.h")
+    )
+
+
 def _from_wheel() -> NcclInstall | None:
     root = _wheel_root()
     if root is None:
         return None
     dist = wheel_distribution()
-    libs = sorted((root / "lib").glob("libnccl.so*"))
-    origin = f"wheel {dist[0]} {dist[1]}" if dist else "wheel nvidia.nccl"
-    include_dir = (root / "include").resolve()
-    return NcclInstall(
-        include_dir, libs[0].resolve() if libs else None, origin, parse_version_code(include_dir / "nccl.h")
-    )
+    return _install_at(root, f"wheel {dist[0]} {dist[1]}" if dist else "wheel nvidia.nccl")
 
 
 def compile_only_root() -> Path | None:
@@ -139,12 +143,9 @@ def compile_only_root() -> Path | None:
 
 
 def _from_override(root: Path) -> NcclInstall:
-    include_dir = root / "include"
-    if not (include_dir / "nccl.h").is_file():
+    if not (root / "include" / "nccl.h").is_file():
         raise NCCLHeadersError(f"{env.NCCL_ROOT}={root}: no include/nccl.h there (give the nvidia/nccl folder)")
-    libs = sorted((root / "lib").glob("libnccl.so*"))
-    return NcclInstall(include_dir, libs[0] if libs else None, f"{env.NCCL_ROOT} {root} (compile only)",
-                       parse_version_code(include_dir / "nccl.h"))  # fmt: skip
+    return _install_at(root, f"{env.NCCL_ROOT} {root} (compile only)")
 
 
 _lock = threading.Lock()

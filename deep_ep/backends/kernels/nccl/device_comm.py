@@ -164,8 +164,9 @@ class DeviceCommunicator:
         shim = _shim()
         self.comm = comm
         requirements = lsa_requirements(lsa_barrier_count)
-        if gin_fields_set(requirements):
-            raise RuntimeError(f"DeviceCommunicator: LSA requirements set GIN fields {gin_fields_set(requirements)}")
+        gin_fields = gin_fields_set(requirements)
+        if gin_fields:
+            raise RuntimeError(f"DeviceCommunicator: LSA requirements set GIN fields {gin_fields}")
         self.num_bytes = int(shim.ep_dev_comm_bytes())
         self._storage = (ctypes.c_byte * self.num_bytes)()
         lsa_rank, lsa_size = ctypes.c_int(), ctypes.c_int()
