@@ -408,3 +408,33 @@ def test_plot_of_cpu_rows_marks_the_sm_panels_not_applicable():
             assert any("uses no SMs" in text.get_text() for text in axis.texts) and not axis.get_lines()
     finally:
         plt.close(fig)
+
+
+def test_kernel_breakdown_uses_the_median_launch_and_the_slowest_rank():
+    from deep_ep.bench.timing import per_call_kernel_times
+
+    # 16 calls, two dispatch launches per call; one launch waited 20 ms for a late peer
+    launches = [("dispatch", 120.0 + i % 3) for i in range(31)] + [("dispatch", 20000.0)]
+    launches += [("dispatch_epilogue", 50.0 + i % 5) for i in range(16)]
+    per_call = per_call_kernel_times(launches, num_calls=16)
+    assert per_call["dispatch"] == pytest.approx(2 * 121.0)  # a mean would say 1490
+    assert per_call["dispatch_epilogue"] == pytest.approx(52.0)
+    assert list(per_call) == ["dispatch", "dispatch_epilogue"]
+
+    merged = report.slowest_breakdown([
+        dict(dispatch=dict(dispatch=10.0, dispatch_epilogue=4.0), combine=dict(combine=7.0)),
+        dict(dispatch=dict(dispatch=9.0, dispatch_epilogue=6.0), combine={"error": "profiler failed"}),
+        None,
+    ])  # fmt: skip
+    assert merged == dict(dispatch=dict(dispatch=10.0, dispatch_epilogue=6.0), combine={"error": "profiler failed"})
+    assert report.slowest_breakdown([None, None]) is None
+
+
+def test_a_breakdown_longer_than_its_operation_is_flagged():
+    row = dict(case=dict(num_tokens=8192, fp8_dispatch=True, routing="uniform"), num_sms=20, graph_dispatch_us=212.4,
+               graph_combine_us=369.2, kernel_breakdown=dict(dispatch=dict(dispatch=1589.6), combine=dict(combine=343.4)))  # fmt: skip
+    text = report.format_breakdowns([row])
+    dispatch_line, combine_line = text.splitlines()[1:]
+    assert "dispatch (212.4 us): dispatch 1589.6 (longer than the operation's graph time" in dispatch_line
+    assert "combine (369.2 us): combine 343.4" in combine_line and "longer" not in combine_line
+    assert "median launch" in text and "do not add up" in text

@@ -72,8 +72,27 @@ def summarize(per_rank: list[list[dict]], meta: dict) -> list[dict]:
             row[f"graph_{op}_speedup_vs_torch"] = row[f"torch_{op}_us"] / graph_us if graph_us else None
             predicted = row.get(f"predicted_{op}_us")
             row[f"predicted_{op}_error"] = predicted / graph_us - 1 if (predicted and graph_us) else None
+        row["kernel_breakdown"] = slowest_breakdown([r.get("kernel_breakdown") for r in case_rows])
         rows.append(row)
     return rows
+
+
+def slowest_breakdown(per_rank: list[dict | None]) -> dict | None:
+    """The kernel breakdown by the multi-rank rule: each kernel's slowest rank; an operation whose
+    profile failed on any rank keeps that rank's error."""
+    measured = [b for b in per_rank if b]
+    if not measured:
+        return None
+    merged: dict[str, dict] = {}
+    for op in measured[0]:
+        kernels = [b.get(op, {"error": "not profiled on every rank"}) for b in measured]
+        failed = [k for k in kernels if "error" in k]
+        if failed:
+            merged[op] = failed[0]
+            continue
+        names = dict.fromkeys(name for k in kernels for name in k)
+        merged[op] = {name: max(k.get(name, 0.0) for k in kernels) for name in names}
+    return merged
 
 
 def _label(row: dict) -> str:
@@ -352,8 +371,18 @@ def format_breakdowns(rows: list[dict]) -> str:
             parts = ", ".join(
                 f"{name} {us:.1f}" if isinstance(us, float) else f"{name} {us}" for name, us in kernels.items()
             )
-            lines.append(f"  {_label(r)} SMs={r['num_sms']} {op}: {parts}")
-    return ("kernel breakdown (us per call, torch profiler over graph replays):\n" + "\n".join(lines)) if lines else ""
+            op_us = r.get(f"graph_{op}_us")
+            longest = max((us for us in kernels.values() if isinstance(us, float)), default=0.0)
+            # A kernel cannot outlast the operation it belongs to: such a figure is the profiler's
+            flag = (
+                " (longer than the operation's graph time: not a kernel time)"
+                if op_us and longest > 1.1 * op_us
+                else ""
+            )
+            lines.append(f"  {_label(r)} SMs={r['num_sms']} {op} ({op_us or 0:.1f} us): {parts}{flag}")
+    title = ("kernel breakdown (us per call: median launch x launches per call, slowest rank; a kernel and the "
+             "epilogue that waits for it overlap, so they do not add up to the operation's time):")  # fmt: skip
+    return (title + "\n" + "\n".join(lines)) if lines else ""
 
 
 VIRTUAL_RANKS_NOTE = (
