@@ -190,13 +190,23 @@ def _transport_line() -> str:
 
     num_devices = torch.cuda.device_count()
     choice = choose_nccl_transport(num_devices)
-    group = f"an NCCL group of all {num_devices} GPUs: " + (
+    gpus = "the one GPU" if num_devices == 1 else f"all {num_devices} GPUs"
+    group = f"an NCCL group of {gpus}: " + (
         f"{choice.name} ({choice.reason})" if choice.supported else f"the reference backend ({choice.reason})"
     )
     return (
         f"{group}; virtual ranks on one GPU (deep_ep.loopback): loopback; groups across hosts: the reference "
         "backend (scale-out is not built yet)"
     )
+
+
+def _cuda_python_line() -> str:
+    """The `cuda-python` meta package is optional: `cuda-bindings` (`cuda.bindings`) is what we call."""
+    try:
+        return _version("cuda-python")
+    except Exception:
+        bindings = _version("cuda-bindings")  # raises, and so reads "not found", when neither is there
+        return f"not installed as a package; its cuda-bindings {bindings} is (what deep_ep calls)"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -211,7 +221,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("CUDA driver", _try_quiet(_driver_line, "none")),
         ("nvcc", _try(_nvcc_line)),
         *_nccl_lines(),
-        ("cuda-python", _try(lambda: _version("cuda-python"))),
+        ("cuda-python", _try(_cuda_python_line)),
         ("cuda-bindings", _try(lambda: _version("cuda-bindings"))),
         ("cuda-core", _try(lambda: _version("cuda-core"))),
         ("transport", _try(_transport_line)),
@@ -265,18 +275,39 @@ def default_warmup_specs() -> list[Any]:
     ]
 
 
-def warmup_specs() -> list[Any]:
-    """`deep_ep.backends.kernels.specs.warmup_specs()` when that module exists, else `default_warmup_specs()`."""
+def warmup_specs(**shape: Any) -> list[Any]:
+    """`deep_ep.backends.kernels.specs.warmup_specs(**shape)` when that module exists, else `default_warmup_specs()`."""
     if importlib.util.find_spec("deep_ep.backends.kernels.specs") is not None:
-        return list(importlib.import_module("deep_ep.backends.kernels.specs").warmup_specs())
+        return list(importlib.import_module("deep_ep.backends.kernels.specs").warmup_specs(**shape))
     return default_warmup_specs()
+
+
+def _warmup_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoE shape `deep-ep jit warmup` was given, checked as `ElasticBuffer` would check it."""
+    from deep_ep.backends.kernels.layout import MAX_RANKS
+
+    given = {name: getattr(args, name) for name in ("ranks", "hidden", "topk", "experts")}
+    if all(value is None for value in given.values()):
+        return {}
+    ranks = given["ranks"] or 2
+    hidden = given["hidden"] or 7168
+    topk, experts = given["topk"] or 8, given["experts"] or 256
+    if not 1 <= ranks <= MAX_RANKS:
+        raise ValueError(f"jit warmup: `--ranks` must be in [1, {MAX_RANKS}], got {ranks}")
+    if hidden % 16:
+        raise ValueError(f"jit warmup: `--hidden` must be a multiple of 16 (rows of 16-byte vectors), got {hidden}")
+    if experts % ranks:
+        raise ValueError(f"jit warmup: `--experts` must be a multiple of `--ranks` ({ranks}), got {experts}")
+    if not 1 <= topk <= experts:
+        raise ValueError(f"jit warmup: `--topk` must be in [1, --experts={experts}], got {topk}")
+    return dict(num_ranks=ranks, hiddens=(hidden,), num_topk=topk, num_experts=experts)
 
 
 def cmd_jit_warmup(args: argparse.Namespace) -> int:
     """Compile the library's kernels into the cache in parallel (ninja), with a progress bar."""
     from deep_ep.jit import compile_many, stats
 
-    specs = warmup_specs()
+    specs = warmup_specs(**_warmup_shape(args))
     if args.filter:
         pattern = re.compile(args.filter)
         specs = [spec for spec in specs if pattern.search(spec.display_name)]
@@ -312,7 +343,18 @@ def register_jit(subparsers: Any) -> None:
     actions = parser.add_subparsers(dest="jit_command", required=True, metavar="{list,clear,warmup}")
     actions.add_parser("list", help="list cached kernels and host shims").set_defaults(handler=cmd_jit_list)
     actions.add_parser("clear", help="delete every cache entry").set_defaults(handler=cmd_jit_clear)
-    warmup = actions.add_parser("warmup", help="compile the library's kernels in parallel (ninja)")
+    warmup = actions.add_parser(
+        "warmup",
+        help="compile the kernels of one MoE shape in parallel (ninja)",
+        description="Kernels are specialised on the rank count, hidden size, top-k and experts per rank: give "
+        "the shape your job runs (e.g. --ranks 8 --hidden 7168 --topk 8 --experts 256) and every kernel it can "
+        "launch (BF16 and FP8 dispatch, both layouts, combine) is compiled. Without a shape: the 2-rank shapes "
+        "of the GPU tests and the benchmark (hidden 2048 and 7168, top-8, 256 experts).",
+    )
+    warmup.add_argument("--ranks", type=int, default=None, help="ranks of the expert-parallel group (default 2)")
+    warmup.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168)")
+    warmup.add_argument("--topk", type=int, default=None, help="experts per token (default 8)")
+    warmup.add_argument("--experts", type=int, default=None, help="experts in all (default 256)")
     warmup.add_argument("--arch", default=None, help="target such as sm_90a (default: EP_JIT_ARCH, else the GPU)")
     warmup.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
     warmup.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -377,6 +419,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config.graphs = config.graphs and not args.no_graphs
     config.breakdown = args.breakdown
     config.hot_fraction = args.hot_fraction
+    runner.check_config(config)
     if config.device == "cuda":
         from deep_ep.jit import compile_many
 
@@ -527,7 +570,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     shape = report["shape"]
     ranks, per_node = shape["num_ranks"], shape["num_ranks_per_node"]
-    print(f"EP{ranks} ({ranks // per_node} node{'s' if ranks > per_node else ''} x {per_node} ranks), "
+    print(f"EP{ranks} ({ranks // per_node} node{'s' if ranks > per_node else ''} x {per_node} rank{'s' if per_node > 1 else ''}), "
           f"T={args.tokens} tokens per rank, H={args.hidden}, top-{args.topk} of {args.experts} experts, "
           f"{'FP8' if args.fp8 else 'BF16'} dispatch")  # fmt: skip
     print(f"{'mode':<8} {'SMs':>4} {'QPs':>4} {'dispatch buf':>13} {'combine buf':>12} {'bottleneck':>10} "

@@ -438,3 +438,12 @@ def test_a_breakdown_longer_than_its_operation_is_flagged():
     assert "dispatch (212.4 us): dispatch 1589.6 (longer than the operation's graph time" in dispatch_line
     assert "combine (369.2 us): combine 343.4" in combine_line and "longer" not in combine_line
     assert "median launch" in text and "do not add up" in text
+
+
+def test_a_breakdown_on_virtual_ranks_is_refused_before_anything_compiles():
+    case = cases.make_cases([128], None, ["fp8"], ["uniform"], 7168, 8, 256)[0]
+    config = cases.BenchConfig([case], 4, "cuda", virtual_ranks=True, breakdown=True)
+    with pytest.raises(ValueError, match=r"`--breakdown` needs one process per rank .* 2 or more GPUs"):
+        from deep_ep.bench import runner
+
+        runner.check_config(config)

@@ -79,3 +79,17 @@ def test_default_warmup_set_compiles_and_the_parser_has_a_place_for_more_command
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices  # argparse keeps subcommands here
     assert {"info", "jit"} <= set(commands)
+
+
+@pytest.mark.nvcc
+def test_jit_warmup_compiles_the_shape_it_is_given(jit_cache):
+    dry = deep_ep("jit", "warmup", "--arch", "sm_90a", "--dry-run", "--ranks", "8", "--hidden", "4096", "--topk", "6",
+                  "--experts", "64")  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    names = [line.split(maxsplit=1)[1] for line in dry.stdout.splitlines() if line.startswith("  ")]
+    assert "deep_ep::dispatch_impl<8, 8192, 0, 6, 512, false>" in names  # BF16 rows of 8192 bytes
+    assert any(name.startswith("deep_ep::dispatch_impl<8, 4096, 128,") for name in names)  # FP8, per-128 scales
+    assert any(name.startswith("deep_ep::combine_impl<8, 4096, 6, 6,") for name in names)  # 8 local experts >= top-6
+    assert not any("<2," in name for name in names)
+    bad = deep_ep("jit", "warmup", "--dry-run", "--ranks", "3", "--experts", "64")
+    assert bad.returncode == 1 and "`--experts` must be a multiple of `--ranks` (3), got 64" in bad.stderr

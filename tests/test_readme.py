@@ -59,4 +59,4 @@ def test_readme_and_jit_doc_give_the_nvcc_lookup_order_of_the_code() -> None:
 def test_readme_says_what_the_cpu_suite_needs_and_names_deep_ep_jit() -> None:
     text = README.read_text()
     assert "needs nvcc and the CUDA" in text and "skipped with that reason" in text
-    assert "`deep-ep jit warmup`" in text
+    assert "`deep-ep jit warmup --ranks" in text

@@ -71,16 +71,17 @@ def test_real_ranks_use_nccl_lsa_inside_one_nvlink_domain(
     assert NvlinkBackend.is_supported(group) is (name is not None)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("peer_access", "expected"), [
-    (True, "an NCCL group of all 4 GPUs: nccl_lsa (4 NCCL ranks on this host's 4 GPUs, all peers reachable)"),
-    (False, "an NCCL group of all 4 GPUs: the reference backend (GPU 0 cannot reach GPU 1's memory (no peer access))"),
+@pytest.mark.parametrize(("num_devices", "peer_access", "expected"), [
+    (4, True, "an NCCL group of all 4 GPUs: nccl_lsa (4 NCCL ranks on this host's 4 GPUs, all peers reachable)"),
+    (4, False, "an NCCL group of all 4 GPUs: the reference backend (GPU 0 cannot reach GPU 1's memory (no peer access))"),
+    (1, True, "an NCCL group of the one GPU: nccl_lsa (1 NCCL rank on this host's 1 GPU, no peers to reach)"),
 ])  # fmt: skip
-def test_info_says_which_transport_this_host_would_use(monkeypatch: pytest.MonkeyPatch, peer_access: bool,
-                                                       expected: str) -> None:  # fmt: skip
+def test_info_says_which_transport_this_host_would_use(monkeypatch: pytest.MonkeyPatch, num_devices: int,
+                                                       peer_access: bool, expected: str) -> None:  # fmt: skip
     from deep_ep.cli import _transport_line
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_devices)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer_access)
     line = _transport_line()
     assert line.startswith(expected + "; virtual ranks on one GPU (deep_ep.loopback): loopback"), line

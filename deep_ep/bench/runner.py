@@ -428,11 +428,19 @@ def _spawned_rank(rank: int, num_ranks: int, config: BenchConfig) -> dict:
     return bench_rank(rank, dist.group.WORLD, config)
 
 
+def check_config(config: BenchConfig) -> None:
+    """Refuse what cannot run, before any kernel is compiled (raises `ValueError` naming the option)."""
+    if config.virtual_ranks and config.breakdown:
+        raise ValueError(
+            "bench: `--breakdown` needs one process per rank (the torch profiler sees a whole process), but on "
+            "one GPU the ranks are virtual, threads of one process; run it on a machine with 2 or more GPUs"
+        )
+
+
 def run(config: BenchConfig, json_path: str | None = None, plot_path: str | None = None,
         command: str | None = None) -> list[dict]:  # fmt: skip
     """Spawn the ranks, run every case, print the tables and checks, and write the JSON / PNG when asked."""
-    if config.virtual_ranks and config.breakdown:
-        raise ValueError("bench: `--breakdown` needs one process per rank (the torch profiler is per process)")
+    check_config(config)
     hardware = report.hardware_name(config.device, config.num_ranks, config.virtual_ranks)
     print(f"deep-ep bench: {len(config.cases)} case(s) on {hardware}, seed {config.seed}", file=sys.stderr, flush=True)
     if config.virtual_ranks:

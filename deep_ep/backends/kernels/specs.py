@@ -235,10 +235,12 @@ def moe_specs(num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8_
     return list(dict.fromkeys(specs))
 
 
-def warmup_specs() -> list[KernelSpec]:
-    """The specialisations of the GPU test sweep and the default benchmark (2 ranks)."""
+def warmup_specs(num_ranks: int = 2, hiddens: tuple[int, ...] = (2048, 7168), num_topk: int = 8,
+                 num_experts: int = 256) -> list[KernelSpec]:  # fmt: skip
+    """The probes and every specialisation of one MoE shape per hidden size (BF16 and both FP8 scale
+    packs). The defaults are the 2-rank shapes of the GPU tests and the benchmark."""
     specs = [peer_store_spec(), nccl_peer_pointers_spec()]
-    for hidden in (2048, 7168):
-        fp8 = ((hidden // 128) * 4, (hidden // 512) * 4)
-        specs += moe_specs(2, hidden, 8, 256, fp8)
+    for hidden in hiddens:
+        fp8 = (-(-hidden // 128) * 4, -(-hidden // 512) * 4)
+        specs += moe_specs(num_ranks, hidden, num_topk, num_experts, fp8)
     return list(dict.fromkeys(specs))

@@ -135,7 +135,10 @@ def choose_nccl_transport(num_ranks: int) -> TransportChoice:
         for b in range(num_devices):
             if a != b and not torch.cuda.can_device_access_peer(a, b):
                 return TransportChoice(None, f"GPU {a} cannot reach GPU {b}'s memory (no peer access)")
-    return TransportChoice("nccl_lsa", f"{num_ranks} NCCL ranks on this host's {num_devices} GPUs, all peers reachable")
+    ranks = "1 NCCL rank" if num_ranks == 1 else f"{num_ranks} NCCL ranks"
+    gpus = "1 GPU" if num_devices == 1 else f"{num_devices} GPUs"
+    peers = "no peers to reach" if num_ranks == 1 else "all peers reachable"
+    return TransportChoice("nccl_lsa", f"{ranks} on this host's {gpus}, {peers}")
 
 
 @dataclass(frozen=True)
