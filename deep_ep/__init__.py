@@ -23,6 +23,7 @@ _LAZY = {
     "EPError": "deep_ep.errors",
     "EPTimeoutError": "deep_ep.errors",
     "EPOperationMismatchError": "deep_ep.errors",
+    "EPPeerError": "deep_ep.errors",
     "topk_idx_t": "deep_ep.buffer",
     "ExpertParallelMoE": "deep_ep.nn",
 }

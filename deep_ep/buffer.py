@@ -7,6 +7,7 @@ chosen by name through `deep_ep.backends.registry`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -18,8 +19,8 @@ import torch.distributed as dist
 
 from deep_ep import planner
 from deep_ep.backends import registry
-from deep_ep.backends.base import BufferConfig, EPBackend, loopback_world_of
-from deep_ep.errors import EPTimeoutError
+from deep_ep.backends.base import BufferConfig, CombineRequest, DispatchRequest, EPBackend, loopback_world_of
+from deep_ep.errors import EPError, EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
 from deep_ep.handle import EPHandle
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
@@ -29,6 +30,27 @@ from deep_ep.validation import ValidationContext, as_bool, as_int, validate_comb
 topk_idx_t = torch.int64
 
 _buffer_ids = itertools.count(1)
+
+
+def _one_thread_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Raise `RuntimeError` when another thread is inside a call of the same buffer: the calls are
+    collective, and two threads would interleave their steps (validation and status exchange included)."""
+
+    @functools.wraps(method)
+    def guarded(self: ElasticBuffer, *args: Any, **kwargs: Any) -> Any:
+        if not self._in_use.acquire(blocking=False):
+            raise RuntimeError(
+                f"ElasticBuffer: called from thread {threading.current_thread().name!r} while thread "
+                f"{self._user!r} is inside a call of the same buffer; a buffer serves one thread at a time "
+                "(give each thread its own buffer)"
+            )
+        self._user = threading.current_thread().name
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._in_use.release()
+
+    return guarded
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
@@ -272,26 +294,35 @@ class ElasticBuffer:
             )
         return self.backend
 
-    def _run(self, call: Callable[[], Any]) -> Any:
-        if not self._in_use.acquire(blocking=False):
-            raise RuntimeError(
-                f"ElasticBuffer: called from thread {threading.current_thread().name!r} while thread "
-                f"{self._user!r} is inside a call of the same buffer; a buffer serves one thread at a time "
-                "(give each thread its own buffer)"
-            )
-        self._user = threading.current_thread().name
+    def _checked(self, op: str, backend: EPBackend, check: Callable[[], Any]) -> Any:
+        """`check()` (the argument checks of `op`), then `backend.announce`: a rank that rejects its
+        input tells its peers before it raises, so that they raise too instead of waiting for it."""
+        try:
+            request = check()
+        except BaseException as error:
+            backend.announce(op, error)
+            raise
+        try:
+            backend.announce(op, None)
+        except EPTimeoutError as error:  # a peer never came: out of step for good
+            self._failure = str(error)
+            raise
+        return request
+
+    def _run(self, op: str, call: Callable[[], Any]) -> Any:
         try:
             return call()
         except EPTimeoutError as error:
             self._failure = str(error)
             raise
-        except BaseException:
-            # An error that left the backend half-way through an operation makes it unusable
-            if self.backend is not None and self.backend.dead_reason is not None:
-                self._failure = self.backend.dead_reason
+        except BaseException as error:
+            if self.backend is not None:
+                if not isinstance(error, EPError):  # a device fault is every rank's already
+                    self.backend.fail(op, error)
+                # An error that left the backend half-way through an operation makes it unusable
+                if self.backend.dead_reason is not None:
+                    self._failure = self.backend.dead_reason
             raise
-        finally:
-            self._in_use.release()
 
     def _communicate(
         self,
@@ -315,7 +346,7 @@ class ElasticBuffer:
             as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream),
         )
         try:
-            value, inputs, outputs = self._run(run)
+            value, inputs, outputs = self._run(op, run)
             event = scope.finish(inputs, outputs)
         except BaseException:
             scope.abort()
@@ -443,6 +474,7 @@ class ElasticBuffer:
         """Return the communication stream (`None` for a CPU group)."""
         return self._comm_stream
 
+    @_one_thread_at_a_time
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """Wait until every rank reached the barrier (collective, with the CPU deadline).
 
@@ -458,14 +490,15 @@ class ElasticBuffer:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._run(backend.barrier)
+                self._run("barrier", backend.barrier)
             torch.cuda.current_stream().wait_stream(stream)
         else:
-            self._run(backend.barrier)
+            self._run("barrier", backend.barrier)
         if with_cpu_sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     # Communication
+    @_one_thread_at_a_time
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -522,30 +555,34 @@ class ElasticBuffer:
             event: an `EventOverlap` marking the end of the communication.
         """
         backend = self._live_backend("dispatch")
-        request = validate_dispatch(
-            self._ctx,
-            self.get_theoretical_num_sms,
-            self.get_theoretical_num_qps,
-            x=x,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            num_experts=num_experts,
-            num_max_tokens_per_rank=num_max_tokens_per_rank,
-            expert_alignment=expert_alignment,
-            num_sms=num_sms,
-            num_qps=num_qps,
-            previous_event=previous_event,
-            previous_event_before_epilogue=previous_event_before_epilogue,
-            async_with_compute_stream=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-            handle=handle,
-            do_cpu_sync=do_cpu_sync,
-            do_expand=do_expand,
-            do_zero_padding=do_zero_padding,
-            use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-        )
-        do_handle_copy = as_bool("dispatch", "do_handle_copy", do_handle_copy)
+
+        def check() -> tuple[DispatchRequest, bool]:
+            request = validate_dispatch(
+                self._ctx,
+                self.get_theoretical_num_sms,
+                self.get_theoretical_num_qps,
+                x=x,
+                topk_idx=topk_idx,
+                topk_weights=topk_weights,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                num_experts=num_experts,
+                num_max_tokens_per_rank=num_max_tokens_per_rank,
+                expert_alignment=expert_alignment,
+                num_sms=num_sms,
+                num_qps=num_qps,
+                previous_event=previous_event,
+                previous_event_before_epilogue=previous_event_before_epilogue,
+                async_with_compute_stream=async_with_compute_stream,
+                allocate_on_comm_stream=allocate_on_comm_stream,
+                handle=handle,
+                do_cpu_sync=do_cpu_sync,
+                do_expand=do_expand,
+                do_zero_padding=do_zero_padding,
+                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+            )
+            return request, as_bool("dispatch", "do_handle_copy", do_handle_copy)
+
+        request, do_handle_copy = self._checked("dispatch", backend, check)
 
         def run() -> tuple[Any, tuple, tuple]:
             result = backend.dispatch(request)
@@ -596,6 +633,7 @@ class ElasticBuffer:
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, handle, event
 
+    @_one_thread_at_a_time
     def combine(
         self,
         x: torch.Tensor,
@@ -630,20 +668,24 @@ class ElasticBuffer:
             event: an `EventOverlap` marking the end of the communication.
         """
         backend = self._live_backend("combine")
-        request = validate_combine(
-            self._ctx,
-            self.get_theoretical_num_qps,
-            x=x,
-            handle=handle,
-            topk_weights=topk_weights,
-            bias=bias,
-            num_sms=num_sms,
-            num_qps=num_qps,
-            previous_event=previous_event,
-            previous_event_before_epilogue=previous_event_before_epilogue,
-            async_with_compute_stream=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-        )
+
+        def check() -> CombineRequest:
+            return validate_combine(
+                self._ctx,
+                self.get_theoretical_num_qps,
+                x=x,
+                handle=handle,
+                topk_weights=topk_weights,
+                bias=bias,
+                num_sms=num_sms,
+                num_qps=num_qps,
+                previous_event=previous_event,
+                previous_event_before_epilogue=previous_event_before_epilogue,
+                async_with_compute_stream=async_with_compute_stream,
+                allocate_on_comm_stream=allocate_on_comm_stream,
+            )
+
+        request = self._checked("combine", backend, check)
 
         def run() -> tuple[Any, tuple, tuple]:
             result = backend.combine(request)

@@ -15,6 +15,13 @@ class EPTimeoutError(EPError):
     """
 
 
+class EPPeerError(EPError):
+    """Another rank of the buffer rejected its input or raised inside an operation, and told every
+    peer instead of leaving them waiting. The message names that rank and carries its error's text.
+    On the kernels backend the buffer is unusable afterwards on every rank (destroy it and create a
+    new one on the same group); on the reference backend nothing was exchanged and it stays usable."""
+
+
 class NCCLError(EPError):
     """An NCCL host call failed; the message carries NCCL's own error string."""
 

@@ -32,6 +32,8 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kCreditOffset == {layout.CREDIT_OFFSET});",
         f"static_assert(deep_ep::kPeerWindowsOffset == {layout.PEER_WINDOWS_OFFSET});",
         f"static_assert(deep_ep::kOpSignatureOffset == {layout.OP_SIGNATURE_OFFSET});",
+        f"static_assert(deep_ep::kPeerMessageOffset == {layout.PEER_MESSAGE_OFFSET});",
+        f"static_assert(deep_ep::kPeerMessageBytes == {layout.PEER_MESSAGE_BYTES});",
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
         f"static_assert(deep_ep::kArrivalOffset == {layout.ARRIVAL_OFFSET});",
         f"static_assert(deep_ep::kMaxArrivalBlocks == {layout.MAX_ARRIVAL_BLOCKS});",
@@ -68,7 +70,8 @@ def _assertions(offset_delta: int = 0) -> str:
                     "combine arrivals": "kPhaseCombineArrival", "dispatch grid barrier": "kPhaseDispatchGrid",
                     "dispatch counts": "kPhaseDispatchCounts",
                     "operation mismatch (the ranks ran different sequences of operations)": "kPhaseOpMismatch",
-                    "epilogue entry (peer's operation signature)": "kPhaseOpSignature"}[name]  # fmt: skip
+                    "epilogue entry (peer's operation signature)": "kPhaseOpSignature",
+                    "host error (a rank raised inside an operation or rejected its input)": "kPhaseHostError"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")
     return "\n".join(lines)
 

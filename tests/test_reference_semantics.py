@@ -92,10 +92,14 @@ def check_agreement(buffer: deep_ep.ElasticBuffer, gen: torch.Generator) -> None
         buffer.dispatch(x if rank == 0 else fp8, topk_idx, num_experts=8)
     with pytest.raises(ValueError, match="`num_experts` must be a multiple of the number of ranks"):
         buffer.dispatch(x, topk_idx, num_experts=7)
-    # Only rank 0 calls with a bad argument: it raises before communicating, so nothing desynchronizes
+    # Only rank 0 passes a bad argument: it raises, and tells rank 1, whose same call raises too;
+    # nothing moved, so both go on with the same buffer
     if rank == 0:
         with pytest.raises(ValueError, match="`topk_idx`"):
             buffer.dispatch(x, topk_idx + 100, num_experts=8)
+    else:
+        with pytest.raises(deep_ep.EPPeerError, match=r"rank 0 rejected its input \(ValueError: dispatch: `topk_idx`"):
+            buffer.dispatch(x, topk_idx, num_experts=8)
     recv_x, _, _, handle, _ = buffer.dispatch(x, topk_idx, num_experts=8)
     buffer.combine(recv_x, handle)
 

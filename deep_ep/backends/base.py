@@ -370,6 +370,16 @@ class EPBackend(abc.ABC):
         an operation), or `None` while it can."""
         return None
 
+    def announce(self, op: str, error: BaseException | None) -> None:  # noqa: B027 (optional hook)
+        """Called by every rank once per `op` (dispatch or combine) after checking its arguments,
+        before any communication: `error` is what rejected them, or `None`. A backend tells its peers
+        of a rejection here, so that they raise at once (`EPPeerError`) instead of waiting for this
+        rank until their deadline. The default does nothing."""
+
+    def fail(self, op: str, error: BaseException) -> None:  # noqa: B027 (optional hook)
+        """`op` raised `error` on this rank after `announce`: tell the peers where a backend can
+        (they may wait in this operation for this rank). The default does nothing."""
+
     @abc.abstractmethod
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Send every token to the ranks that own its experts (collective)."""

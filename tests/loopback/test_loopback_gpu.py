@@ -337,9 +337,15 @@ def _bad_routing_rank(rank: int, group: dist.ProcessGroup, bad_rank: int) -> dic
     graph.replay()
     torch.cuda.current_stream().synchronize()
     outcome: dict = {"dst_slots": out[3].dst_buffer_slot_idx.unique().tolist() if rank == bad_rank else None}
-    outcome["error"] = _error_of(buf.barrier, ValueError)
+    # The bad rank raises at its next call and tells its peers, which raise at their next wait for it
+    calls = (lambda: buf.barrier()) if rank == bad_rank else (lambda: (buf.barrier(), buf.barrier()))
+    outcome["error"] = _error_of(calls, (ValueError, deep_ep.EPPeerError))
     del graph
-    # The same buffer still works: a dispatch and a combine against the reference
+    torch.cuda.current_stream().synchronize()
+    dist.barrier(group=group)
+    buf.destroy()
+    # A new buffer on the same group works: a dispatch and a combine against the reference
+    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2048, num_topk=8, explicitly_destroy=True)
     reference = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=2048, num_topk=8,
                                       backend="reference", explicitly_destroy=True)  # fmt: skip
     x, topk_idx, weights, _ = make_inputs(
@@ -348,7 +354,7 @@ def _bad_routing_rank(rank: int, group: dist.ProcessGroup, bad_rank: int) -> dic
     outs = [b.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts) for b in (buf, reference)]
     handle = check_dispatch(outs[0], outs[1], False, False, "dispatch after the error")
     rows = torch.randn((handle.num_recv_tokens, 2048), device="cuda").to(torch.bfloat16)
-    equal(buf.combine(rows, outs[0][3])[0], reference.combine(rows, outs[1][3])[0], "combine after the error")
+    equal(buf.combine(rows, outs[0][3])[0], reference.combine(rows, outs[1][3])[0], "combine on the new buffer")
     buf.destroy()
     reference.destroy()
     return outcome
@@ -360,7 +366,9 @@ def test_invalid_routing_inside_a_graph_sends_nothing_and_raises_at_the_next_cal
     bad = outcomes[bad_rank]
     assert bad["dst_slots"] == [-1], bad
     assert bad["error"] is not None and "at [17, 2]" in bad["error"] and f"got {8 * num_ranks + 5}" in bad["error"], bad
-    assert all(o["error"] is None for r, o in enumerate(outcomes) if r != bad_rank), outcomes
+    for rank, outcome in enumerate(outcomes):
+        if rank != bad_rank:
+            assert f"rank {bad_rank} stopped the buffer" in (outcome["error"] or ""), outcomes
     assert damaged == [], damaged
     print(f"\ninvalid routing in a graph: rank {bad_rank} raised {bad['error'][:140]}")
 

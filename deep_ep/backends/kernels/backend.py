@@ -46,6 +46,15 @@ class NvlinkBackend(EPBackend):
     def dead_reason(self) -> str | None:
         return self.runtime.dead_reason
 
+    def announce(self, op: str, error: BaseException | None) -> None:
+        """Nothing when this rank goes ahead (no cost per call); a rejection stops the buffer on
+        every rank at once (`NvlinkRuntime.post_fault`): peers may already wait for our records."""
+        if error is not None:
+            self.runtime.post_fault(op, error)
+
+    def fail(self, op: str, error: BaseException) -> None:
+        self.runtime.post_fault(op, error)
+
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         num_local_experts = request.num_experts // self.config.num_ranks
         if num_local_experts > MAX_LOCAL_EXPERTS:

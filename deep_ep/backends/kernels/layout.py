@@ -25,6 +25,8 @@ NUM_RANKS_OFFSET = RANK_OFFSET + 4
 CREDIT_OFFSET = STATUS_OFFSET + 64
 PEER_WINDOWS_OFFSET = CREDIT_OFFSET + MAX_RANKS * 4
 OP_SIGNATURE_OFFSET = PEER_WINDOWS_OFFSET + MAX_RANKS * 8
+PEER_MESSAGE_OFFSET = -(-(OP_SIGNATURE_OFFSET + MAX_RANKS * 4) // 16) * 16  # per source rank, its error's text
+PEER_MESSAGE_BYTES = 256
 RECV_EXPERT_COUNT_OFFSET = 128 * 1024
 ARRIVAL_OFFSET = 384 * 1024
 MAX_ARRIVAL_BLOCKS = 512  # arrival counters per source rank
@@ -51,7 +53,9 @@ PHASES = {
     7: "dispatch counts",
     8: "operation mismatch (the ranks ran different sequences of operations)",
     9: "epilogue entry (peer's operation signature)",
+    10: "host error (a rank raised inside an operation or rejected its input)",
 }
+HOST_ERROR_PHASE = 10
 
 
 def arrival_block(num_max_tokens_per_rank: int) -> int:

@@ -17,10 +17,11 @@ letting a retry run at the same epoch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from deep_ep.errors import EPError, EPOperationMismatchError, EPTimeoutError
+from deep_ep.errors import EPError, EPOperationMismatchError, EPPeerError, EPTimeoutError
 from deep_ep.host_reads import wait_for_stream
 from deep_ep.jit import I32, U64
 from deep_ep.records import WORKSPACE_BYTES
@@ -30,10 +31,13 @@ from .layout import (
     DISPATCH_SCRATCH_INTS,
     ERROR_REPORTED_BY_PEER,
     ERROR_WORDS,
+    HOST_ERROR_PHASE,
     INPUT_OUT_OF_RANGE,
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
     NUM_RANKS_OFFSET,
+    PEER_MESSAGE_BYTES,
+    PEER_MESSAGE_OFFSET,
     PEER_WINDOWS_OFFSET,
     PHASES,
     RANK_OFFSET,
@@ -96,6 +100,28 @@ def describe_input_error(words: dict[str, int], num_experts: int) -> str:
     )
 
 
+def describe_host_error(rank: int, message: str) -> str:
+    """The text of a peer's fault posted by its host (`NvlinkRuntime.post_fault`)."""
+    what = message or "an error (its text did not arrive)"
+    return (
+        f"rank {rank} stopped the buffer: it raised {what}; the buffer is unusable on every rank: destroy it and "
+        "create a new one (on the same group)"
+    )
+
+
+def _own_stream() -> tuple[torch.cuda.Stream, Any]:
+    """A non-blocking stream of the current device that no other rank gets (torch's pool hands its
+    streams out round robin, so virtual ranks of one process could share one), and its handle."""
+    from cuda.bindings import driver as cuda
+
+    from deep_ep.jit import driver as jit_driver
+
+    device = torch.cuda.current_device()
+    with jit_driver.current_context(device):
+        handle = jit_driver.check(cuda.cuStreamCreate(cuda.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    return torch.cuda.get_stream_from_external(int(handle), torch.device("cuda", device)), handle
+
+
 class NvlinkRuntime:
     """The windows, error block, count blocks and waits of one buffer.
 
@@ -134,6 +160,11 @@ class NvlinkRuntime:
             self.windows.destroy()
             raise ValueError(f"NVLink kernels support at most {MAX_RANKS} ranks, the group has {self.num_ranks}")
         self._write_workspace()
+        # Loaded with the buffer, on every rank at once: loading it when a rank fails could wait for
+        # the peers' kernels, which wait for that rank
+        (self._post_fault,) = share.load([specs.post_fault_spec()])
+        self._fault_message = torch.zeros(PEER_MESSAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+        self._fault_stream, self._fault_stream_handle = _own_stream()
 
     def _write_workspace(self) -> None:
         """This rank, the number of ranks and every rank's window base, into our window's workspace
@@ -153,8 +184,12 @@ class NvlinkRuntime:
         exception between two launches of one operation."""
         if self.dead_reason is None and int(self.error_block[0]) != 0:
             words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=True))
-            self.dead_reason = describe_fault(words, self.timeout_ns / 1e9)
-            self._dead_error = EPOperationMismatchError if words["phase"] == _OP_MISMATCH_PHASE else EPTimeoutError
+            if words["phase"] == HOST_ERROR_PHASE:
+                self.dead_reason = describe_host_error(words["rank"], self._peer_message(words["rank"]))
+                self._dead_error = EPPeerError
+            else:
+                self.dead_reason = describe_fault(words, self.timeout_ns / 1e9)
+                self._dead_error = EPOperationMismatchError if words["phase"] == _OP_MISMATCH_PHASE else EPTimeoutError
         if self.dead_reason is not None:
             raise self._dead_error(self.dead_reason)
 
@@ -167,6 +202,35 @@ class NvlinkRuntime:
         words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=True))
         self.error_block[_INPUT_WORDS] = 0
         raise ValueError(describe_input_error(words, self.num_experts_checked))
+
+    def post_fault(self, op: str, error: BaseException) -> None:
+        """This rank rejected its input of `op` or raised inside it: stop the buffer on every rank
+        now, with `error`'s text for the peers' exceptions (post_fault.cuh), rather than let the peers
+        wait for this rank until their deadline. A buffer that failed already keeps its first fault
+        (the device's compare-and-swap); a buffer of one rank has nobody to tell and stays usable."""
+        if self.num_ranks == 1 or self.dead_reason is not None:
+            return
+        text = f"{type(error).__name__} in {op}: {error}"
+        encoded = text.encode()[: PEER_MESSAGE_BYTES - 1].decode(errors="ignore").encode()
+        self._fault_message.zero_()
+        self._fault_message[: len(encoded)].copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
+        # Its own stream: the current one may hold work that waits for the peers
+        self._post_fault.launch(grid=(1,), block=(32,), stream=self._fault_stream, args=(
+            U64(self.windows.ptr), U64(data_ptr(self.error_block)), U64(data_ptr(self._fault_message))))  # fmt: skip
+        self.dead_reason = (
+            f"this rank raised {text}, and stopped the buffer on every rank; the buffer is unusable: destroy it "
+            "and create a new one"
+        )
+        self._dead_error = EPError
+
+    def _peer_message(self, rank: int) -> str:
+        """The error text `rank` left in our window when it stopped the buffer (post_fault.cuh)."""
+        start = PEER_MESSAGE_OFFSET + rank * PEER_MESSAGE_BYTES
+        staged = torch.empty(PEER_MESSAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(self._fault_stream):
+            staged.copy_(self.windows.bytes[start : start + PEER_MESSAGE_BYTES], non_blocking=True)
+        wait_for_stream(self._fault_stream, timeout_s=self.cpu_timeout_s)
+        return bytes(staged.tolist()).split(b"\0", 1)[0].decode(errors="replace")
 
     def fail_between_launches(self, op: str, error: BaseException) -> None:
         """Mark the buffer dead: `op` raised `error` after its first kernel was launched."""
@@ -238,8 +302,13 @@ class NvlinkRuntime:
     # ---------------------------------------------------------------- teardown
 
     def destroy(self) -> None:
-        """Release the windows (idempotent)."""
+        """Release the windows and the fault stream (idempotent)."""
         self.windows.destroy()
+        if self._fault_stream_handle is not None:
+            from cuda.bindings import driver as cuda
+
+            cuda.cuStreamDestroy(self._fault_stream_handle)  # its work, if any, still completes
+            self._fault_stream_handle = None
 
 
 def peer_store(runtime: NvlinkRuntime, stream: torch.cuda.Stream, src: torch.Tensor, num_sms: int) -> None:

@@ -198,6 +198,11 @@ def barrier_spec(num_ranks: int) -> KernelSpec:
 
 
 @functools.cache
+def post_fault_spec() -> KernelSpec:
+    return _spec("post_fault", (32,), ("char*", "int64_t*", "const int4*"))
+
+
+@functools.cache
 def peer_store_spec() -> KernelSpec:
     return _spec("peer_store", (NUM_THREADS,), ("char*", "int", "int", "uint64_t", "const int4*", "uint64_t"))
 
@@ -239,7 +244,7 @@ def warmup_specs(num_ranks: int = 2, hiddens: tuple[int, ...] = (2048, 7168), nu
                  num_experts: int = 256) -> list[KernelSpec]:  # fmt: skip
     """The probes and every specialisation of one MoE shape per hidden size (BF16 and both FP8 scale
     packs). The defaults are the 2-rank shapes of the GPU tests and the benchmark."""
-    specs = [peer_store_spec(), nccl_peer_pointers_spec()]
+    specs = [peer_store_spec(), nccl_peer_pointers_spec(), post_fault_spec()]
     for hidden in hiddens:
         fp8 = (-(-hidden // 128) * 4, -(-hidden // 512) * 4)
         specs += moe_specs(num_ranks, hidden, num_topk, num_experts, fp8)

@@ -28,13 +28,15 @@ from deep_ep.backends.base import (
     worst_case_num_expanded_tokens,
     worst_case_num_recv_tokens,
 )
-from deep_ep.errors import EPTimeoutError
+from deep_ep.errors import EPPeerError, EPTimeoutError
 from deep_ep.host_reads import host_list, to_host, wait_for_stream
 from deep_ep.utils.math import align
 
 from .layout import RecvLayout, SendLayout, compute_recv_layout, compute_send_layout, send_offset
 
 # The fields every rank sends before a dispatch; they must agree across ranks
+# The text of a rank's rejection in the status exchange (`announce`)
+_STATUS_BYTES = 256
 _HEADER_FIELDS = (
     "cached",
     "num_experts",
@@ -413,6 +415,27 @@ class ReferenceBackend(EPBackend):
             if bias is not None:
                 acc = acc + bias.float()
         return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=combined_weights)
+
+    def announce(self, op: str, error: BaseException | None) -> None:
+        """Every rank says whether it goes ahead with `op`, in one all-gather before any data moves
+        (a message slot per rank): a rejection makes every peer raise `EPPeerError` at once instead
+        of waiting in the exchange for this rank, and the buffer stays usable (nothing moved)."""
+        if self.num_ranks == 1:
+            return
+        message = b"" if error is None else f"{type(error).__name__}: {error}".encode()[: _STATUS_BYTES - 1]
+        status = torch.zeros(1 + _STATUS_BYTES // 8, dtype=torch.int64)
+        status[0] = int(error is not None)
+        if message:
+            status[1:].view(torch.uint8)[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+        table = self._all_gather(status.to(self.device), f"the status exchange of {op}")
+        rejected = [r for r in range(self.num_ranks) if int(table[r, 0]) and r != self.rank_idx]
+        if error is not None or not rejected:
+            return  # the rejecting rank raises its own error
+        texts = []
+        for rank in rejected:
+            text = bytes(table[rank, 1:].contiguous().view(torch.uint8).tolist()).split(b"\0", 1)[0]
+            texts.append(f"rank {rank} rejected its input ({text.decode(errors='replace')})")
+        raise EPPeerError(f"{op}: {'; '.join(texts)}; nothing was exchanged and the buffer stays usable")
 
     def barrier(self) -> None:
         """All ranks meet (a one-element all-reduce with the CPU deadline)."""

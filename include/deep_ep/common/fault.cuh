@@ -56,6 +56,8 @@ enum Phase : int {
     kPhaseDispatchCounts = 7,
     kPhaseOpMismatch = 8,
     kPhaseOpSignature = 9,
+    // Not a wait: a rank's host raised inside an operation or rejected its input (`post_fault.cuh`)
+    kPhaseHostError = 10,
 };
 
 // The status word: 0 while healthy; else the phase (bits 0-7), the rank whose wait expired + 1

@@ -53,6 +53,10 @@ constexpr int64_t kPeerWindowsOffset = kCreditOffset + kMaxRanks * sizeof(int);
 // Per source rank, the signature of the operation it runs (credits.cuh: a check that every rank runs
 // the same sequence of operations), left by its communication kernel before any data
 constexpr int64_t kOpSignatureOffset = kPeerWindowsOffset + kMaxRanks * sizeof(void*);
+// Per source rank, the text of the error that made it stop the buffer (`post_fault.cuh`): a peer's
+// host reads it to say why, in words, once that rank's fault has reached it. NUL-terminated UTF-8.
+constexpr int64_t kPeerMessageOffset = align_up(kOpSignatureOffset + kMaxRanks * 4, int64_t(16));
+constexpr int kPeerMessageBytes = 256;
 // Senders publish how many of their tokens go to each of our local experts, so no receiver-side
 // pass over the records is needed to count them.
 constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
@@ -64,7 +68,8 @@ constexpr int64_t kArrivalOffset = 384 * 1024;
 constexpr int kMaxArrivalBlocks = 512;  // per source rank
 constexpr int64_t kWorkspaceBytes = 512 * 1024;
 static_assert(kStatusOffset % 8 == 0 and kNumRanksOffset + 4 <= kCreditOffset, "workspace overflow");
-static_assert(kPeerWindowsOffset % 8 == 0 and kOpSignatureOffset + kMaxRanks * 4 <= kRecvExpertCountOffset,
+static_assert(kPeerWindowsOffset % 8 == 0 and
+                  kPeerMessageOffset + int64_t(kMaxRanks) * kPeerMessageBytes <= kRecvExpertCountOffset,
               "workspace overflow");
 static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kArrivalOffset,
               "workspace overflow");
