@@ -22,9 +22,16 @@ from deep_ep.backends import registry
 from deep_ep.backends.base import BufferConfig, CombineRequest, DispatchRequest, EPBackend, loopback_world_of
 from deep_ep.errors import EPError, EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
-from deep_ep.handle import EPHandle
+from deep_ep.handle import BufferLifetime, BufferOrigin, EPHandle
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
-from deep_ep.validation import ValidationContext, as_bool, as_int, validate_combine, validate_dispatch
+from deep_ep.validation import (
+    ValidationContext,
+    as_bool,
+    as_int,
+    check_barrier,
+    validate_combine,
+    validate_dispatch,
+)
 
 # The dtype of `topk_idx` (V2's `deep_ep.topk_idx_t`)
 topk_idx_t = torch.int64
@@ -254,12 +261,22 @@ class ElasticBuffer:
         self._theoretical_num_sms: dict[tuple[int, int], int] = {}
         self.backend: EPBackend | None = backend_class(group, config)
         self._comm_stream = None
+        world = loopback_world_of(group)
         if self.device.type == "cuda":
             # Virtual ranks must never share a stream (torch's pool hands out 32 per priority, round robin)
-            world = loopback_world_of(group)
             self._comm_stream = (
                 world.comm_stream(self.rank_idx) if world is not None else torch.cuda.Stream(self.device)
             )
+        # Handles share it: one that outlives this buffer can say why it works nowhere
+        self._lifetime = BufferLifetime()
+        self._origin = BufferOrigin(
+            buffer_id=self.buffer_id,
+            rank_idx=self.rank_idx,
+            num_ranks=self.num_ranks,
+            group=weakref.ref(group),
+            world=None if world is None else weakref.ref(world),
+            lifetime=self._lifetime,
+        )
         self._ctx = ValidationContext(
             num_ranks=self.num_ranks,
             device=self.device,
@@ -271,6 +288,9 @@ class ElasticBuffer:
             deterministic=self.deterministic,
             allow_multiple_reduction=self.allow_multiple_reduction,
             device_checks_topk_values=backend_class.checks_topk_values_on_device,
+            backend_name=backend_class.name,
+            supports_graph_capture=backend_class.supports_graph_capture,
+            origin=self._origin,
         )
 
         # Logical and physical domains
@@ -282,12 +302,17 @@ class ElasticBuffer:
         # Without `explicitly_destroy`, the backend is released with the buffer (no communication)
         if not self.explicitly_destroy:
             self._finalizer = weakref.finalize(self, self.backend.destroy)
+        # Not at exit: nothing can use a handle then
+        weakref.finalize(self, self._lifetime.end, "garbage collected").atexit = False
         self.backend.barrier()
 
     # Lifetime
     def _live_backend(self, op: str) -> EPBackend:
         if self.backend is None:
-            raise ValueError(f"{op}: the buffer must be alive, got a destroyed buffer (create a new ElasticBuffer)")
+            raise ValueError(
+                f"{op}: the buffer must be alive, got a destroyed buffer (create a new ElasticBuffer and dispatch "
+                "again: its handles died with it)"
+            )
         if self._failure is not None:
             raise ValueError(
                 f"{op}: the buffer must be usable, got one that failed earlier ({self._failure}); destroy it"
@@ -362,6 +387,7 @@ class ElasticBuffer:
         if self.backend is not None:
             self.backend.destroy()
             self.backend = None
+            self._lifetime.end("destroyed")
 
     # Sizes and topology
     @staticmethod
@@ -484,6 +510,7 @@ class ElasticBuffer:
             sequential: V2's flag (ignored: there is one domain).
         """
         backend = self._live_backend("barrier")
+        check_barrier(self._ctx)
         stream = self._comm_stream if use_comm_stream else None
         if with_cpu_sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -610,6 +637,7 @@ class ElasticBuffer:
                     do_cpu_sync=request.do_cpu_sync,
                     scale_kind=request.scale_kind,
                     backend_state=result.backend_state,
+                    buffer_origin=self._origin,
                 )
             inputs = (
                 request.x,

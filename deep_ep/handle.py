@@ -2,12 +2,56 @@
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from deep_ep.backends.base import ScaleKind
+
+
+class BufferLifetime:
+    """Whether an `ElasticBuffer` still lives, shared with its handles: a handle that outlived its
+    buffer can then say why it no longer works anywhere.
+
+    Attributes:
+        ended: `None` while the buffer lives, else how it ended (`'destroyed'`, `'garbage collected'`).
+    """
+
+    def __init__(self) -> None:
+        self.ended: str | None = None
+
+    def end(self, how: str) -> None:
+        """Record the end of the buffer; the first end wins (a destroyed buffer is collected later)."""
+        if self.ended is None:
+            self.ended = how
+
+
+@dataclass(frozen=True)
+class BufferOrigin:
+    """Which buffer made a handle, told apart from the buffer it is passed to: another buffer of the
+    same group, another process group, another `LoopbackWorld` or another virtual rank of one.
+
+    The group and the world are weak references: a handle must not keep a finished group (or world)
+    alive, and one that is gone is another group all the same.
+
+    Attributes:
+        buffer_id: the `ElasticBuffer.buffer_id` of the buffer.
+        rank_idx: its rank in its group.
+        num_ranks: the size of its group.
+        group: a weak reference to its `torch.distributed.ProcessGroup`.
+        world: a weak reference to the `deep_ep.loopback.LoopbackWorld` of its virtual ranks, else `None`.
+        lifetime: whether the buffer still lives.
+    """
+
+    buffer_id: int
+    rank_idx: int
+    num_ranks: int
+    group: weakref.ref
+    world: weakref.ref | None
+    lifetime: BufferLifetime
 
 
 class EPHandle:
@@ -50,6 +94,8 @@ class EPHandle:
         do_cpu_sync: whether the dispatch had exact (CPU-synced) shapes.
         scale_kind: the scale format of the dispatch that made the handle.
         backend_state: the backend's private state for combine and cached dispatch.
+        buffer_origin: the `BufferOrigin` of the buffer that made the handle (`None` for a handle made
+            by hand), for the error that names it when the handle reaches another buffer.
     """
 
     def __init__(
@@ -78,6 +124,7 @@ class EPHandle:
         backend_state: Any,
         token_metadata_at_forward: torch.Tensor | None = None,
         channel_linked_list: torch.Tensor | None = None,
+        buffer_origin: BufferOrigin | None = None,
     ) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
@@ -102,6 +149,7 @@ class EPHandle:
         self.do_cpu_sync = do_cpu_sync
         self.scale_kind = scale_kind
         self.backend_state = backend_state
+        self.buffer_origin = buffer_origin
 
     @property
     def num_combine_rows(self) -> int:

@@ -8,6 +8,12 @@ The value checks of `topk_idx` (range and repeated experts) read the tensor on t
 synchronization). They are skipped while a CUDA graph is being captured, when the environment
 variable `EP_CHECK_VALUES=0` is set, and for a CPU-sync dispatch of a backend that checks the
 values on the device (the NVLink kernels).
+
+Misuse of the buffer itself is checked here too, before any kernel runs: a handle of another buffer
+(another process group, `LoopbackWorld` or virtual rank, or a buffer that is gone), a current CUDA
+device other than the buffer's, and, while a CUDA graph is being captured, whatever would wait on
+the host (a CPU-sync dispatch, a barrier, a backend without a capturable path). The table is in
+`docs/semantics.md` ("Misuse").
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 from deep_ep.backends.base import CombineRequest, DispatchRequest, ScaleKind, check_topk_idx_values
 from deep_ep.event import EventHandle
-from deep_ep.handle import EPHandle
+from deep_ep.handle import BufferOrigin, EPHandle
 from deep_ep.records import hidden_row_error
 from deep_ep.utils.math import ceil_div
 
@@ -42,6 +48,10 @@ class ValidationContext:
         allow_multiple_reduction: the buffer's flag, copied into the requests.
         device_checks_topk_values: the backend checks `topk_idx` values on the device, sends nothing
             when they are bad and raises from its CPU-sync wait (so no host check is needed there).
+        backend_name: the backend's name, for messages.
+        supports_graph_capture: the backend's calls without CPU sync wait for nothing on the host, so
+            a CUDA graph can record them.
+        origin: the buffer's `BufferOrigin`, to name the buffer a foreign handle came from.
     """
 
     num_ranks: int
@@ -54,13 +64,73 @@ class ValidationContext:
     deterministic: bool
     allow_multiple_reduction: bool
     device_checks_topk_values: bool = False
+    backend_name: str = "reference"
+    supports_graph_capture: bool = False
+    origin: BufferOrigin | None = None
+
+
+def graph_capture_active() -> bool:
+    """Whether this thread's current CUDA stream is capturing a CUDA graph.
+
+    Asks only once CUDA has started (nothing captures before), so that a CPU buffer on a machine
+    with GPUs never starts CUDA (a virtual-rank world needs CUDA's settings made before it starts).
+    """
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def value_checks_enabled() -> bool:
     """Whether the host-side value checks of `topk_idx` run now (not while capturing a CUDA graph)."""
     if os.environ.get("EP_CHECK_VALUES", "1") == "0":
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not graph_capture_active()
+
+
+def check_current_device(op: str, device: torch.device) -> None:
+    """A CUDA buffer's streams, events and kernels belong to its device: the caller's current device
+    must be that one (a stream of another device would order nothing against the buffer's work)."""
+    if device.type != "cuda":
+        return
+    current = torch.cuda.current_device()
+    if current != device.index:
+        raise ValueError(
+            f"{op}: the current CUDA device must be the buffer's ({device}), got cuda:{current}; call it inside "
+            f"`with torch.cuda.device({device.index}):` (or `torch.cuda.set_device({device.index})`)"
+        )
+
+
+def check_capture(op: str, ctx: ValidationContext) -> None:
+    """Inside CUDA-graph capture only work that waits for nothing on the host can be recorded; a
+    backend whose calls always wait on the host (collectives, host reads) cannot be captured at all:
+    on CUDA its wait would invalidate the capture, on CPU it would run once now and never on replay."""
+    if not ctx.supports_graph_capture and graph_capture_active():
+        raise ValueError(
+            f"{op}: the buffer's `backend` must support CUDA-graph capture while a graph is being captured, got "
+            f"backend={ctx.backend_name!r} (it waits on the host, which a replay cannot repeat); capture a buffer "
+            "created with backend='kernels', or call this one outside the capture"
+        )
+
+
+def check_cpu_sync_in_capture(op: str, do_cpu_sync: bool, given: Any) -> None:
+    """A CPU-sync dispatch waits on the host for counts that, inside a capture, no kernel has produced
+    yet (they come only with each replay), so it cannot be recorded; without CPU sync it can."""
+    if do_cpu_sync and graph_capture_active():
+        how = "the default without a cached `handle`" if given is None else "given"
+        raise ValueError(
+            f"{op}: `do_cpu_sync` must be False while a CUDA graph is being captured (a CPU sync waits on the host "
+            f"for counts that only a replay produces), got True ({how}); pass do_cpu_sync=False (worst-case shapes, "
+            "the real counts in the handle's tensors) or a cached `handle`"
+        )
+
+
+def check_barrier(ctx: ValidationContext) -> None:
+    """A barrier waits on the host until every rank arrived: it cannot be recorded in a CUDA graph."""
+    op = "barrier"
+    check_current_device(op, ctx.device)
+    if graph_capture_active():
+        raise ValueError(
+            f"{op}: the current stream must not be capturing a CUDA graph (a barrier waits on the host for every "
+            "rank, which a replay cannot repeat), got a capturing stream; call it before or after the capture"
+        )
 
 
 def _shape(t: torch.Tensor) -> list[int]:
@@ -144,14 +214,44 @@ def check_stream_args(
     return allocate_on_comm_stream
 
 
+def describe_origin(origin: BufferOrigin, here: BufferOrigin) -> str:
+    """Where a foreign handle's buffer lives, seen from the buffer `here` it was passed to."""
+    where = f"virtual rank {origin.rank_idx} of {origin.num_ranks}"
+    world = origin.world() if origin.world is not None else None
+    here_world = here.world() if here.world is not None else None
+    if origin.world is not None or here.world is not None:
+        if origin.world is None:
+            return f"a buffer of a torch.distributed process group (rank {origin.rank_idx} of {origin.num_ranks}), not of this LoopbackWorld"
+        if here.world is None:
+            return f"a buffer of a LoopbackWorld ({where}), not of this process group"
+        if world is not here_world:
+            return f"a buffer of another LoopbackWorld ({where})"
+        if origin.rank_idx != here.rank_idx:
+            return f"the buffer of another rank of this LoopbackWorld ({where}; this buffer is rank {here.rank_idx})"
+        return "another buffer of this group"
+    if origin.group() is not here.group():
+        return f"a buffer of another process group (rank {origin.rank_idx} of {origin.num_ranks})"
+    return "another buffer of this process group"
+
+
 def check_handle(op: str, ctx: ValidationContext, handle: Any) -> EPHandle:
+    """A handle's state (slots, counts, the backend's layout) describes the windows of the buffer that
+    made it, and of no other: it is valid with that buffer only."""
     if not isinstance(handle, EPHandle):
         raise TypeError(
             f"{op}: `handle` must be an EPHandle (from `ElasticBuffer.dispatch`), got {type(handle).__name__}"
         )
     if handle.buffer_id != ctx.buffer_id:
+        origin = handle.buffer_origin
+        if origin is None or ctx.origin is None:
+            source = f"buffer_id {handle.buffer_id}"
+        else:
+            source = f"{describe_origin(origin, ctx.origin)}, buffer_id {handle.buffer_id}"
+            if origin.lifetime.ended is not None:
+                source += f", which was {origin.lifetime.ended} (its handles died with it)"
         raise ValueError(
-            f"{op}: `handle` must come from this buffer (buffer_id {ctx.buffer_id}), got one from buffer_id {handle.buffer_id}"
+            f"{op}: `handle` must come from a dispatch of this buffer (buffer_id {ctx.buffer_id}), got one from "
+            f"{source}; a handle works only with the buffer that made it"
         )
     return handle
 
@@ -215,6 +315,8 @@ def validate_dispatch(
 ) -> DispatchRequest:
     """Check every argument of `ElasticBuffer.dispatch` and return the normalized request."""
     op = "dispatch"
+    check_current_device(op, ctx.device)
+    check_capture(op, ctx)
     allocate_on_comm_stream = check_stream_args(
         op, previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream
     )
@@ -282,7 +384,9 @@ def validate_dispatch(
             raise ValueError(
                 f"{op}: `x` must have at most `num_max_tokens_per_rank` = {num_max_tokens_per_rank} tokens (rows), got {num_tokens}"
             )
+        given_cpu_sync = do_cpu_sync
         do_cpu_sync = True if do_cpu_sync is None else as_bool(op, "do_cpu_sync", do_cpu_sync)
+        check_cpu_sync_in_capture(op, do_cpu_sync, given_cpu_sync)
         # A backend that validates on the device raises from its CPU-sync wait, before any data moves
         if value_checks_enabled() and not (do_cpu_sync and ctx.device_checks_topk_values):
             check_topk_idx_values(op, topk_idx, num_experts)
@@ -349,6 +453,8 @@ def validate_combine(
 ) -> CombineRequest:
     """Check every argument of `ElasticBuffer.combine` and return the normalized request."""
     op = "combine"
+    check_current_device(op, ctx.device)
+    check_capture(op, ctx)
     allocate_on_comm_stream = check_stream_args(
         op, previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream
     )

@@ -327,6 +327,9 @@ class EPBackend(abc.ABC):
     # True: a CPU-sync dispatch checks `topk_idx` values on the device, sends nothing when they are
     # bad and raises the facade's `ValueError` from its wait (the facade then skips its host check)
     checks_topk_values_on_device: ClassVar[bool] = False
+    # True: dispatch without CPU sync, cached dispatch and combine wait for nothing on the host, so a
+    # CUDA graph can record them (the facade refuses every call of other backends inside a capture)
+    supports_graph_capture: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         self.group = group

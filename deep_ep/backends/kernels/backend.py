@@ -29,6 +29,7 @@ class NvlinkBackend(EPBackend):
 
     name = "kernels"
     checks_topk_values_on_device: ClassVar[bool] = True
+    supports_graph_capture: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
