@@ -420,8 +420,8 @@ class ReferenceBackend(EPBackend):
         """Every rank says whether it goes ahead with `op`, in one all-gather before any data moves
         (a message slot per rank): a rejection makes every peer raise `EPPeerError` at once instead
         of waiting in the exchange for this rank, and the buffer stays usable (nothing moved)."""
-        if self.num_ranks == 1:
-            return
+        if self.num_ranks == 1 or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+            return  # under capture every call of this backend is refused (it waits on the host)
         message = b"" if error is None else f"{type(error).__name__}: {error}".encode()[: _STATUS_BYTES - 1]
         status = torch.zeros(1 + _STATUS_BYTES // 8, dtype=torch.int64)
         status[0] = int(error is not None)
