@@ -1,13 +1,17 @@
-"""The soak (`soak.py`) on CPU: its short run on CPU virtual ranks (reference against reference),
-its leak detector and failure exits. No GPU or nvcc is needed."""
+"""The kernel fuzzer (`fuzz_kernels.py`) and the soak (`soak.py`) on CPU: the soak's short run on CPU
+virtual ranks (reference against reference), its leak detector and failure exits, the fuzzer's
+spreading of cases and its reproducers. No GPU or nvcc is needed."""
 
 from __future__ import annotations
 
 import json
+import shlex
 
+import fuzz_kernels as fuzz
 import leaks
 import pytest
 import soak
+from sweep import make_cases
 
 MIB = 1 << 20
 
@@ -124,3 +128,60 @@ def test_the_soak_refuses_impossible_requests():
                  ["--device", "cpu", "--iterations", "10", "--warmup", "10"], ["--ranks", "5"]):  # fmt: skip
         with pytest.raises(SystemExit):
             soak.parse_config(argv)
+
+
+# ---------------------------------------------------------------------------- the fuzzer
+
+
+def test_cases_are_spread_towards_small_worlds_and_sum_to_the_request():
+    counts = fuzz.spread_cases(1000, [2, 3, 4, 8, 16])
+    assert sum(counts.values()) == 1000
+    assert min(counts[2], counts[3], counts[4]) > counts[8] > counts[16] >= fuzz.NUM_CORNERS
+    # About six minutes at the sweep's rates
+    assert 300 < sum(count / fuzz.RATES[n] for n, count in counts.items()) < 420
+    for total, ranks in ((7, [2, 3, 4, 8, 16]), (1, [16]), (3, [2, 16]), (20, [8, 16]), (12345, [3, 8])):
+        counts = fuzz.spread_cases(total, ranks)
+        assert sum(counts.values()) == total and list(counts) == ranks, (total, ranks, counts)
+        assert min(counts.values()) >= min(fuzz.NUM_CORNERS, total // len(ranks))
+
+
+def test_a_case_selected_by_ep_and_index_is_the_same_dict_as_in_the_full_list():
+    seed = 4242
+    full = fuzz.build_plan(fuzz._parser().parse_args(["--cases", "1000", "--seed", str(seed)]), seed)
+    assert {n: len(cases) for n, cases in full.items()} == fuzz.spread_cases(1000, [2, 3, 4, 8, 16])
+    for ep in (2, 4, 16):
+        cases = full[ep]
+        for index in (0, 3, 4, len(cases) // 2, len(cases) - 1):
+            args = fuzz._parser().parse_args(["--seed", str(seed), "--case", f"{ep}:{index}"])
+            assert fuzz.build_plan(args, seed) == {ep: [cases[index]]}
+        args = fuzz._parser().parse_args(["--case", f"{ep}:2-9", "--case", f"{ep}:0"])
+        assert fuzz.build_plan(args, seed) == {ep: cases[2:10] + cases[:1]}
+    # Later cases than a run had still come from the same sequence
+    assert fuzz.select_cases(8, 200, 200, seed)[0] == make_cases(8, 300, seed)[200]
+
+
+def test_a_printed_reproducer_parses_back_to_its_case():
+    seed, cases = 99, make_cases(3, 40, 99)
+    alone, sequence = fuzz.reproducers(seed, 3, 5, 31)
+    assert alone == "python3 tests/loopback/fuzz_kernels.py --seed 99 --case 3:31"
+    assert sequence.endswith("--seed 99 --case 3:5-31")
+    for line, expected in ((alone, [cases[31]]), (sequence, cases[5:32])):
+        argv = shlex.split(line)[2:]
+        args = fuzz._parser().parse_args(argv)
+        assert args.seed == seed and fuzz.build_plan(args, args.seed) == {3: expected}
+    assert fuzz.reproducers(seed, 3, 31, 31) == [alone]
+
+
+@pytest.mark.parametrize("text", ["4", "4:", "5:1", "4:x", "4:3-1", ":3", "4:1-2-3"])
+def test_a_malformed_case_is_refused(text):
+    with pytest.raises(SystemExit):
+        fuzz._parser().parse_args(["--case", text])
+
+
+def test_the_fuzzer_dry_run_prints_the_seed_and_the_spread(capsys):
+    assert fuzz.main(["--dry-run", "--cases", "50", "--ranks", "2,16", "--seed", "5"]) == 0
+    assert "fuzz: seed 5, 50 cases (EP2 41, EP16 9)" in capsys.readouterr().out
+    assert fuzz.main(["--dry-run", "--cases", "50"]) == 0
+    assert "fuzz: seed " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        fuzz.main(["--ranks", "2,5", "--dry-run"])
