@@ -232,6 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     compile_s = time.monotonic() - started
     results: dict[int, dict[str, Any]] = {}
     stopped = None
+    base = dict(provenance(SCRIPT, argv), seed=seed, cases_requested=None if args.case else args.cases,
+                cases_per_world={ep: len(cases) for ep, cases in plan.items()}, compile_seconds=round(compile_s, 1))  # fmt: skip
+
+    def document(complete: bool) -> dict[str, Any]:
+        failures = [f for r in results.values() for f in r["failures"]]
+        summary = {ep: {k: v for k, v in r.items() if k != "failures"} for ep, r in results.items()}
+        passed = complete and not failures and stopped is None and len(results) == len(plan)
+        return dict(base, passed=passed, complete=complete, failures=failures, results=summary, stopped=stopped,
+                    seconds=round(time.monotonic() - started - compile_s, 1))  # fmt: skip
+
     for ep, cases in plan.items():
         try:
             results[ep] = run_world(ep, cases, seed, args.max_failures)
@@ -248,21 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         result = results[ep]
         print(f"EP{ep}: {result['passed']} of {result['cases']} cases bitwise equal to the reference in "
               f"{result['seconds']} s, {len(result['failures'])} failures", flush=True)  # fmt: skip
-    failures = [f for r in results.values() for f in r["failures"]]
-    passed = not failures and stopped is None and len(results) == len(plan)
-    seconds = time.monotonic() - started - compile_s
-    print(f"fuzz {'PASSED' if passed else 'FAILED'}: seed {seed}, {sum(r['passed'] for r in results.values())} "
-          f"cases passed, {len(failures)} failed, {seconds:.1f} s (+{compile_s:.1f} s compiling)", flush=True)  # fmt: skip
-    for failure in failures:
+        write_json(args.json, document(complete=False), quiet=True)
+    final = document(complete=True)
+    print(f"fuzz {'PASSED' if final['passed'] else 'FAILED'}: seed {seed}, "
+          f"{sum(r['passed'] for r in results.values())} cases passed, {len(final['failures'])} failed, "
+          f"{final['seconds']} s (+{compile_s:.1f} s compiling)", flush=True)  # fmt: skip
+    for failure in final["failures"]:
         for line in failure["reproducers"][:1]:
             print(f"reproduce: {line}")
-    write_json(args.json, dict(
-        provenance(SCRIPT, argv), passed=passed, seed=seed, cases_requested=args.cases if not args.case else None,
-        cases_per_world={ep: len(cases) for ep, cases in plan.items()}, failures=failures,
-        results={ep: {k: v for k, v in r.items() if k != "failures"} for ep, r in results.items()},
-        stopped=stopped, seconds=round(seconds, 1), compile_seconds=round(compile_s, 1),
-    ))  # fmt: skip
-    return 0 if passed else 1
+    write_json(args.json, final)
+    return 0 if final["passed"] else 1
 
 
 if __name__ == "__main__":

@@ -36,9 +36,11 @@ def provenance(script: str, argv: list[str]) -> dict[str, Any]:
                 command=shlex.join(["python3", script, *argv]), torch=torch.__version__)  # fmt: skip
 
 
-def write_json(path: str | None, document: dict[str, Any]) -> None:
-    """Write `document` to `path` (nothing without one), creating its folder."""
+def write_json(path: str | None, document: dict[str, Any], quiet: bool = False) -> None:
+    """Write `document` to `path` (nothing without one), creating its folder; a run rewrites it as it
+    goes (`quiet`), so that one stopped by a time limit still leaves what it found."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n")
-        print(f"wrote {path}", flush=True)
+        if not quiet:
+            print(f"wrote {path}", flush=True)

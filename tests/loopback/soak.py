@@ -28,6 +28,7 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -174,8 +175,8 @@ def run_iteration(buffers: dict, rank: int, num_ranks: int, plan: dict[str, Any]
 
 
 def _sample_point(rank: int, group: Any, device: torch.device, samples: list, index: int, phase: str,
-                  started: float) -> None:  # fmt: skip
-    """Every rank drained and waiting: rank 0 samples the process."""
+                  started: float, on_sample: Callable[[], None] | None) -> None:  # fmt: skip
+    """Every rank drained and waiting: rank 0 samples the process (then calls `on_sample`)."""
     _drain(device)
     dist.barrier(group=group)
     if rank == 0:
@@ -184,12 +185,16 @@ def _sample_point(rank: int, group: Any, device: torch.device, samples: list, in
         shown = {k: values[k] for k in ("device_allocated_bytes", "host_rss_bytes", "open_fds", "threads",
                                         "live_tensors") if k in values}  # fmt: skip
         print(f"[{time.monotonic() - started:7.1f} s] iteration {index} ({phase}): {shown}", flush=True)
+        if on_sample is not None:
+            on_sample()
     dist.barrier(group=group)
 
 
-def soak_rank(rank: int, group: Any, config: SoakConfig, samples: list) -> dict[str, float]:
-    """Every iteration on one rank, on buffers created once; rank 0 appends its samples to `samples`.
-    Returns the number and seconds of checked and of kernels-only iterations."""
+def soak_rank(rank: int, group: Any, config: SoakConfig, samples: list,
+              on_sample: Callable[[], None] | None = None) -> dict[str, float]:  # fmt: skip
+    """Every iteration on one rank, on buffers created once; rank 0 appends its samples to `samples`
+    (calling `on_sample` after each). Returns the number and seconds of checked and of kernels-only
+    iterations."""
     num_ranks = group.size()
     buffers = make_buffers(group, num_ranks, backends=config.backends, max_tokens=config.max_tokens)
     device = buffers[True][0].device
@@ -199,7 +204,7 @@ def soak_rank(rank: int, group: Any, config: SoakConfig, samples: list) -> dict[
         for index in range(config.iterations):
             if index >= config.warmup and (index - config.warmup) % config.sample_every == 0:
                 phase = "warm-up end" if index == config.warmup else "periodic"
-                _sample_point(rank, group, device, samples, index, phase, started)
+                _sample_point(rank, group, device, samples, index, phase, started, on_sample)
             plan = iteration_plan(num_ranks, index, config.seed, config.max_tokens, config.max_local_experts)
             check = should_check(index, config.iterations, config.check_every)
             begin = time.monotonic()
@@ -211,7 +216,7 @@ def soak_rank(rank: int, group: Any, config: SoakConfig, samples: list) -> dict[
             kind = "checked" if check else "plain"
             times[kind] += 1
             times[f"{kind}_s"] += time.monotonic() - begin
-        _sample_point(rank, group, device, samples, config.iterations, "end", started)
+        _sample_point(rank, group, device, samples, config.iterations, "end", started, on_sample)
     finally:
         for pair in buffers.values():
             for buffer in pair:
@@ -303,9 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     compiled_s = time.monotonic() - started
     world = deep_ep.loopback.LoopbackWorld(config.num_ranks, device=args.device)
     samples: list[dict[str, Any]] = []
+    base = dict(provenance("tests/loopback/soak.py", argv), config=asdict(config), device=args.device,
+                tolerances=tolerances)  # fmt: skip
+
+    def checkpoint() -> None:
+        write_json(args.json, dict(base, passed=None, complete=False, samples=samples), quiet=True)
+
     error, times = None, None
     try:
-        times = world.run(soak_rank, config, samples, timeout_s=args.timeout)[0]
+        times = world.run(soak_rank, config, samples, checkpoint, timeout_s=args.timeout)[0]
     except deep_ep.loopback.LoopbackRankError as failure:
         # The rank's own assertion names the iteration; the others only stopped because of it
         origin = next((e for e in failure.errors if isinstance(e, AssertionError)), None)
@@ -327,9 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak {'PASSED' if passed else 'FAILED'}: {len(samples)} samples, {seconds:.1f} s (+{compiled_s:.1f} s "
           f"compiling), seed {config.seed}", flush=True)  # fmt: skip
     write_json(args.json, dict(
-        provenance("tests/loopback/soak.py", argv), passed=passed, error=error, leaks=problems, rerun=rerun,
-        config=asdict(config), device=args.device, seconds=round(seconds, 1), compile_seconds=round(compiled_s, 1),
-        times=times, projection=projection, tolerances=tolerances, samples=samples,
+        base, passed=passed, complete=True, error=error, leaks=problems, rerun=rerun, seconds=round(seconds, 1),
+        compile_seconds=round(compiled_s, 1), times=times, projection=projection, samples=samples,
     ))  # fmt: skip
     return 0 if passed else 1
 

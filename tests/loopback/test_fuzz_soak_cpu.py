@@ -29,7 +29,7 @@ def test_the_soak_runs_on_cpu_virtual_ranks_and_passes(tmp_path, capsys):
     assert soak.main([*_SHORT, "--rss-tolerance-mib", "256", "--json", str(path)]) == 0
     assert "soak PASSED" in capsys.readouterr().out
     result = json.loads(path.read_text())
-    assert result["passed"] and result["leaks"] == [] and result["error"] is None
+    assert result["passed"] and result["complete"] and result["leaks"] == [] and result["error"] is None
     assert {"commit", "hardware", "date", "command", "torch"} <= set(result)
     assert result["command"].startswith("python3 tests/loopback/soak.py --device cpu")
     samples = result["samples"]
