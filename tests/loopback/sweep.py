@@ -185,19 +185,23 @@ def run_case(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any], see
         equal(tensor, copy, "an input tensor (it was modified)")
 
 
-def make_buffers(group: Any, num_ranks: int, timeout_s: int = 30) -> dict:
-    """Per `allow_multiple_reduction`: a kernels buffer and a reference buffer of `group`."""
+def make_buffers(group: Any, num_ranks: int, timeout_s: int = 30, backends: tuple[str, str] = ("kernels", "reference"),
+                 max_tokens: int | None = None) -> dict:  # fmt: skip
+    """Per `allow_multiple_reduction`: a buffer of `group` for each of `backends` (the one under test,
+    then the one it is compared with; on CPU virtual ranks both can only be the reference), sized for
+    `max_tokens` per rank (default `num_max_tokens(num_ranks)`)."""
     import deep_ep
 
+    max_tokens = max_tokens or num_max_tokens(num_ranks)
     buffers = {}
     for multiple_reduction in (True, False):
         pair = tuple(
-            deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=num_max_tokens(num_ranks), hidden=MAX_HIDDEN,
+            deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max_tokens, hidden=MAX_HIDDEN,
                                   num_topk=MAX_TOPK, use_fp8_dispatch=False, allow_multiple_reduction=multiple_reduction,
                                   backend=backend, explicitly_destroy=True, num_gpu_timeout_secs=timeout_s)
-            for backend in ("kernels", "reference")
+            for backend in backends
         )  # fmt: skip
-        assert pair[0].backend.name == "kernels" and pair[1].backend.name == "reference"
+        assert tuple(b.backend.name for b in pair) == tuple(backends), (pair, backends)
         buffers[multiple_reduction] = pair
     return buffers
 
