@@ -100,8 +100,11 @@ def _capture_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict[str, s
         combined = kbuf.combine(fresh[0], fresh[3])
         return fresh, cached, combined
 
-    # Every kernel loaded before the capture (a first load waits for the running kernels)
+    # Every kernel loaded before the capture (a first load waits for the running kernels). A refused
+    # call stops its kernels buffer on every rank (the peers may wait in it): each refusal gets its own
     eager = recordable()
+    spares = [_make(group, "kernels", explicitly_destroy=True) for _ in range(4)]
+    spare_handle = spares[2].dispatch(x, **args, do_cpu_sync=False)[3]
     ref = rbuf.dispatch(x, **args, do_cpu_sync=False)
     originals = _saved(x=x, x2=x2, topk_idx=topk_idx, topk_weights=weights, eager_handle=eager[0][3],
                        ref_recv_x=ref[0], ref_handle=ref[3])  # fmt: skip
@@ -113,14 +116,14 @@ def _capture_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict[str, s
     refused: dict[str, str | None] = {}
     with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
         # Each refusal comes before any CUDA call of its own: the capture goes on
-        refused["fresh dispatch, do_cpu_sync=None"] = _error_of(lambda: kbuf.dispatch(x, **args), ValueError)
+        refused["fresh dispatch, do_cpu_sync=None"] = _error_of(lambda: spares[0].dispatch(x, **args), ValueError)
         refused["fresh dispatch, do_cpu_sync=True"] = _error_of(
-            lambda: kbuf.dispatch(x, **args, do_cpu_sync=True), ValueError
+            lambda: spares[1].dispatch(x, **args, do_cpu_sync=True), ValueError
         )
         refused["cached dispatch, do_cpu_sync=True"] = _error_of(
-            lambda: kbuf.dispatch(x2, handle=eager[0][3], do_cpu_sync=True), ValueError
+            lambda: spares[2].dispatch(x2, handle=spare_handle, do_cpu_sync=True), ValueError
         )
-        refused["barrier"] = _error_of(kbuf.barrier, ValueError)
+        refused["barrier"] = _error_of(spares[3].barrier, ValueError)
         refused["reference dispatch"] = _error_of(lambda: rbuf.dispatch(x, **args, do_cpu_sync=False), ValueError)
         refused["reference combine"] = _error_of(lambda: rbuf.combine(ref[0], ref[3]), ValueError)
         captured = recordable()
@@ -144,8 +147,8 @@ def _capture_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict[str, s
     check_dispatch(out, ref_sync, False, False, "CPU-sync dispatch after the capture")
     kbuf.barrier()
     del graph
-    kbuf.destroy()
-    rbuf.destroy()
+    for buffer in (kbuf, rbuf, *spares):
+        buffer.destroy()
     return refused
 
 
@@ -195,7 +198,14 @@ def _cpu_tensors_on_a_cuda_buffer_rank(rank: int, group: dist.ProcessGroup, seed
     ):
         for name in names:
             bad = dict(call_args, **{name: call_args[name].cpu()})
-            messages[f"{op} {name}"] = _error_of(lambda op=op, bad=bad: getattr(kbuf, op)(**bad), ValueError)
+            # A refused call stops its kernels buffer on every rank (the peers may wait in it)
+            spare = _make(group, "kernels", explicitly_destroy=True)
+            if op == "combine":
+                spare_out = spare.dispatch(**dict(dispatch_args, cumulative_local_expert_recv_stats=None))
+                bad = dict(bad, handle=spare_out[3], x=bad["x"] if name == "x" else spare_out[0])
+            messages[f"{op} {name}"] = _error_of(lambda op=op, bad=bad, s=spare: getattr(s, op)(**bad), ValueError)
+            wait_for_stream()
+            spare.destroy()
     _assert_unchanged(originals)
     out = kbuf.dispatch(**dict(dispatch_args, cumulative_local_expert_recv_stats=None))
     kbuf.combine(out[0], out[3])
@@ -322,10 +332,14 @@ def _collected_buffer_rank(rank: int, group: dist.ProcessGroup, seed: int) -> li
     kbuf = _make(group, "kernels", explicitly_destroy=True)
     rbuf = _make(group, "reference", explicitly_destroy=True)
     originals = _saved(x=x, topk_idx=topk_idx, topk_weights=weights, recv_x=recv_x, handle=handle)
+    # A refused call stops its kernels buffer on every rank (the peers may wait in it): one each
+    spares = [_make(group, "kernels", explicitly_destroy=True) for _ in range(2)]
     messages = [
-        _error_of(lambda: kbuf.combine(recv_x, handle), ValueError),
-        _error_of(lambda: kbuf.dispatch(x, handle=handle), ValueError),
+        _error_of(lambda: spares[0].combine(recv_x, handle), ValueError),
+        _error_of(lambda: spares[1].dispatch(x, handle=handle), ValueError),
     ]
+    for spare in spares:
+        spare.destroy()
     _assert_unchanged(originals)
     out, ref = kbuf.dispatch(x, **args), rbuf.dispatch(x, **args)
     wait_for_stream()

@@ -151,6 +151,10 @@ class NvlinkRuntime:
         self.host_counts = torch.zeros(num_count_words, dtype=torch.int32, pin_memory=True)
         self.dispatch_scratch = torch.zeros(DISPATCH_SCRATCH_INTS, dtype=torch.int32, device="cuda")
         self._expand_scratch: torch.Tensor | None = None
+        # What a failing rank posts to its peers, and the stream it posts on; made before the windows
+        # open, like all of this rank's memory (see `open_windows`)
+        self._fault_message = torch.zeros(PEER_MESSAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+        self._fault_stream, self._fault_stream_handle = _own_stream()
         self.num_experts_checked = 0  # of the last dispatch that validated routing on the device
         self.dead_reason: str | None = None
         self._dead_error: type[EPError] = EPError
@@ -160,11 +164,9 @@ class NvlinkRuntime:
             self.windows.destroy()
             raise ValueError(f"NVLink kernels support at most {MAX_RANKS} ranks, the group has {self.num_ranks}")
         self._write_workspace()
-        # Loaded with the buffer, on every rank at once: loading it when a rank fails could wait for
-        # the peers' kernels, which wait for that rank
+        # Loaded with the buffer, on every rank at once (the last step before its barrier): loading
+        # it when a rank fails could wait for the peers' kernels, which wait for that rank
         (self._post_fault,) = share.load([specs.post_fault_spec()])
-        self._fault_message = torch.zeros(PEER_MESSAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-        self._fault_stream, self._fault_stream_handle = _own_stream()
 
     def _write_workspace(self) -> None:
         """This rank, the number of ranks and every rank's window base, into our window's workspace
