@@ -322,10 +322,12 @@ class LoopbackWorld:
     def _collect_released_windows(self) -> None:
         """Free the windows every rank released once everything enqueued before has finished."""
         with self._lock:
-            for allocation in list(self._windows):
-                released = allocation["released"]
-                if all(r is not None for r in released) and all(e.query() for events in released for e in events):
-                    self._windows.remove(allocation)
+            # By identity: `list.remove` compares the dicts' tensors with `==`
+            self._windows = [
+                allocation for allocation in self._windows
+                if not (all(r is not None for r in allocation["released"])
+                        and all(e.query() for events in allocation["released"] for e in events))
+            ]  # fmt: skip
 
     # -------------------------------------------------------------------- running
 
