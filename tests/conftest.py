@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch.distributed
 
 # Virtual ranks (deep_ep.loopback) need a hardware queue per stream and every kernel loaded when CUDA
 # starts (a lazy load waits for the running kernels); both must be set before CUDA starts
@@ -54,6 +58,19 @@ def _jit_session_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
         patch.setenv("EP_JIT_ARCH", "sm_90a")
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[torch.distributed.ProcessGroup]:
+    """A process group of one CPU rank (gloo), for the tests of one buffer's own checks."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,16 +13,6 @@ from deep_ep.buffer import select_backend_class
 from deep_ep.event import EventHandle, EventOverlap
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.utils.routing import uniform_routing
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
 
 
 def test_lazy_exports() -> None:

@@ -6,7 +6,6 @@ Runs in-process on a one-rank gloo group (validation never communicates, so one 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,16 +17,6 @@ from deep_ep.utils.fp8 import per_token_cast_to_fp8
 from deep_ep.utils.routing import uniform_routing
 
 E, K, H, T, TMAX = 8, 2, 256, 6, 16
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

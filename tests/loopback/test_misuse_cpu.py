@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,16 +25,6 @@ from deep_ep.loopback import LoopbackWorld
 from deep_ep.utils.routing import uniform_routing
 
 E, K, H, T, TMAX = 8, 2, 256, 6, 16
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
 
 
 def make(group: dist.ProcessGroup, **kwargs: Any) -> deep_ep.ElasticBuffer:

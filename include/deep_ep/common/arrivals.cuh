@@ -8,10 +8,10 @@
 
 #include <cstdint>
 
-#include "fault.cuh"
-#include "layout.cuh"
-#include "math.cuh"
-#include "ptx.cuh"
+#include <deep_ep/common/fault.cuh>
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/math.cuh>
+#include <deep_ep/common/ptx.cuh>
 
 namespace deep_ep {
 

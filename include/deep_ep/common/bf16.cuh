@@ -5,7 +5,7 @@
 
 #include <cuda_bf16.h>
 
-#include "ptx.cuh"
+#include <deep_ep/common/ptx.cuh>
 
 namespace deep_ep {
 

@@ -8,11 +8,11 @@
 // positive, then takes the token back. Semaphores return to zero after every completed barrier,
 // so the workspace stays zeroed between kernels.
 
-#include "arrivals.cuh"
-#include "credits.cuh"
-#include "fault.cuh"
-#include "layout.cuh"
-#include "ptx.cuh"
+#include <deep_ep/common/arrivals.cuh>
+#include <deep_ep/common/credits.cuh>
+#include <deep_ep/common/fault.cuh>
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/ptx.cuh>
 
 namespace deep_ep {
 

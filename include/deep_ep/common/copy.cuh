@@ -4,7 +4,7 @@
 // batch before any store: the scoped ld/st helpers are `asm volatile`, which the compiler keeps in
 // program order, so a plain load-store loop would leave one load in flight per lane.
 
-#include "ptx.cuh"
+#include <deep_ep/common/ptx.cuh>
 
 namespace deep_ep {
 

@@ -9,11 +9,11 @@
 // it is already there when the next one starts: no entry barrier, no round trip before sending.
 // Plain device memory operations only, so every kernel includes it.
 
-#include "arrivals.cuh"
-#include "fault.cuh"
-#include "layout.cuh"
-#include "ptx.cuh"
-#include "tasks.cuh"
+#include <deep_ep/common/arrivals.cuh>
+#include <deep_ep/common/fault.cuh>
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/tasks.cuh>
 
 namespace deep_ep {
 

@@ -17,8 +17,8 @@
 
 #include <cstdint>
 
-#include "layout.cuh"
-#include "ptx.cuh"
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/ptx.cuh>
 
 namespace deep_ep {
 

@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "math.cuh"
+#include <deep_ep/common/math.cuh>
 
 namespace deep_ep {
 

@@ -12,7 +12,7 @@
 // The epilogues take their rows the same way, in the order they land: a warp whose row is late
 // holds up only that row, not the rows that round-robin dealing would have given it after.
 
-#include "ptx.cuh"
+#include <deep_ep/common/ptx.cuh>
 
 namespace deep_ep {
 

@@ -2,7 +2,7 @@
 
 // A barrier across every rank of the buffer, with a deadline: one CTA, channel 0.
 
-#include "../common/comm.cuh"
+#include <deep_ep/common/comm.cuh>
 
 namespace deep_ep {
 

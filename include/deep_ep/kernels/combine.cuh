@@ -15,13 +15,13 @@
 // in every source's workspace. Row counts and slots come from the handle and are clamped to what the
 // window and `x` hold, whatever the handle says.
 
-#include "../common/bf16.cuh"
-#include "../common/comm.cuh"
-#include "../common/copy.cuh"
-#include "../common/credits.cuh"
-#include "../common/layout.cuh"
-#include "../common/ptx.cuh"
-#include "../common/tasks.cuh"
+#include <deep_ep/common/bf16.cuh>
+#include <deep_ep/common/comm.cuh>
+#include <deep_ep/common/copy.cuh>
+#include <deep_ep/common/credits.cuh>
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/tasks.cuh>
 
 namespace deep_ep {
 

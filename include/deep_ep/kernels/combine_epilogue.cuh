@@ -16,14 +16,14 @@
 // every peer runs this combine too (its signature in our workspace). Counts and slots come from the
 // handle and are clamped: a slot outside what its holder sends is no row.
 
-#include "../common/arrivals.cuh"
-#include "../common/bf16.cuh"
-#include "../common/copy.cuh"
-#include "../common/credits.cuh"
-#include "../common/fault.cuh"
-#include "../common/layout.cuh"
-#include "../common/ptx.cuh"
-#include "../common/tasks.cuh"
+#include <deep_ep/common/arrivals.cuh>
+#include <deep_ep/common/bf16.cuh>
+#include <deep_ep/common/copy.cuh>
+#include <deep_ep/common/credits.cuh>
+#include <deep_ep/common/fault.cuh>
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/tasks.cuh>
 
 namespace deep_ep {
 

@@ -27,13 +27,13 @@
 
 #include <climits>
 
-#include "../common/comm.cuh"
-#include "../common/copy.cuh"
-#include "../common/credits.cuh"
-#include "../common/layout.cuh"
-#include "../common/math.cuh"
-#include "../common/ptx.cuh"
-#include "../common/tasks.cuh"
+#include <deep_ep/common/comm.cuh>
+#include <deep_ep/common/copy.cuh>
+#include <deep_ep/common/credits.cuh>
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/math.cuh>
+#include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/tasks.cuh>
 
 namespace deep_ep {
 

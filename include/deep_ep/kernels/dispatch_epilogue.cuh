@@ -16,14 +16,14 @@
 
 #include <cub/block/block_scan.cuh>
 
-#include "../common/arrivals.cuh"
-#include "../common/copy.cuh"
-#include "../common/credits.cuh"
-#include "../common/fault.cuh"
-#include "../common/layout.cuh"
-#include "../common/math.cuh"
-#include "../common/ptx.cuh"
-#include "../common/tasks.cuh"
+#include <deep_ep/common/arrivals.cuh>
+#include <deep_ep/common/copy.cuh>
+#include <deep_ep/common/credits.cuh>
+#include <deep_ep/common/fault.cuh>
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/math.cuh>
+#include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/tasks.cuh>
 
 namespace deep_ep {
 

@@ -9,9 +9,9 @@
 
 #include <cub/block/block_scan.cuh>
 
-#include "../common/arrivals.cuh"
-#include "../common/fault.cuh"
-#include "../common/layout.cuh"
+#include <deep_ep/common/arrivals.cuh>
+#include <deep_ep/common/fault.cuh>
+#include <deep_ep/common/layout.cuh>
 
 namespace deep_ep {
 

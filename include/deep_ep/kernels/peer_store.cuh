@@ -5,8 +5,8 @@
 // Both directions run at once when all ranks launch it, which is how dispatch and combine load the
 // links.
 
-#include "../common/comm.cuh"
-#include "../common/ptx.cuh"
+#include <deep_ep/common/comm.cuh>
+#include <deep_ep/common/ptx.cuh>
 
 namespace deep_ep {
 

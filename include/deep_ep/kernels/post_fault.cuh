@@ -6,7 +6,7 @@
 // naming this rank and, from the message, what it did wrong. One warp: the message into every
 // rank's slot of this rank (ours too), then the fault as a wait that expired would post it.
 
-#include "../common/fault.cuh"
+#include <deep_ep/common/fault.cuh>
 
 namespace deep_ep {
 
