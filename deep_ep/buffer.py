@@ -20,11 +20,14 @@ import torch.distributed as dist
 from deep_ep import planner
 from deep_ep.backends import registry
 from deep_ep.backends.base import BufferConfig, CombineRequest, DispatchRequest, EPBackend, loopback_world_of
+from deep_ep.domains import get_logical_domain_size, get_physical_domain_size, group_device
 from deep_ep.errors import EPError, EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
 from deep_ep.handle import BufferLifetime, BufferOrigin, EPHandle
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.validation import (
+    MAX_RANKS,
+    MAX_TOPK,
     ValidationContext,
     as_bool,
     as_int,
@@ -60,18 +63,6 @@ def _one_thread_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    """The device of a group's tensors: the current CUDA device for NCCL groups, the world's device
-    for virtual ranks (`deep_ep.loopback`), else the CPU."""
-    world = loopback_world_of(group)
-    if world is not None:
-        return world.device
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = True) -> type[EPBackend]:
     """Choose the backend class for `group` through `deep_ep.backends.registry`.
 
@@ -98,7 +89,7 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
                 f"({backend_class.__name__}.is_supported is False)"
             )
         return backend_class
-    device = _group_device(group)
+    device = group_device(group)
     votes = [int(registry.supports(name, group, device.type)) for name in registry.names()]
     # Virtual ranks answer alike by construction (one process, one GPU)
     if agree and device.type == "cuda" and loopback_world_of(group) is None:
@@ -135,6 +126,7 @@ class ElasticBuffer:
         self,
         group: dist.ProcessGroup,
         num_bytes: int | None = None,
+        num_cpu_bytes: int = 0,
         num_max_tokens_per_rank: int = 0,
         hidden: int = 0,
         num_topk: int = 0,
@@ -143,20 +135,20 @@ class ElasticBuffer:
         allow_hybrid_mode: bool = True,
         allow_multiple_reduction: bool = True,
         prefer_overlap_with_compute: bool = True,
+        sl_idx: int = 3,
         num_allocated_qps: int = 0,
         num_cpu_timeout_secs: int = 300,
         num_gpu_timeout_secs: int = 100,
         explicitly_destroy: bool = False,
-        backend: str = "auto",
         *,
-        num_cpu_bytes: int = 0,
-        sl_idx: int = 3,
+        backend: str = "auto",
     ) -> None:
         """Create the buffer on every rank of `group` (collective).
 
         Arguments:
             group: the communication group (gloo: CPU tensors; NCCL: tensors on the current CUDA device).
             num_bytes: the buffer size in bytes (a multiple of 2 MiB); `None` sizes it from the MoE shape.
+            num_cpu_bytes: V2's Engram CPU buffer; must be 0 (not supported).
             num_max_tokens_per_rank: the default maximum number of tokens per rank (the same on all ranks).
             hidden: the hidden size; calls may use any hidden up to it.
             num_topk: the number of top-k lanes; calls may use up to it (`0`: any).
@@ -165,13 +157,15 @@ class ElasticBuffer:
             allow_hybrid_mode: allow hierarchical (scale-out + scale-up) communication.
             allow_multiple_reduction: in expand-mode combine, reduce each rank's lanes before sending.
             prefer_overlap_with_compute: prefer fewer SMs.
+            sl_idx: V2's RDMA service level (accepted, unused: there is no RDMA path yet).
             num_allocated_qps: RDMA queue pairs to allocate (`0`: automatic).
             num_cpu_timeout_secs: the deadline of host-side waits.
             num_gpu_timeout_secs: the deadline of device-side waits.
             explicitly_destroy: require an explicit `destroy()` (otherwise the destructor releases).
-            backend: `'auto'`, `'kernels'` or `'reference'` (see `select_backend_class`).
-            num_cpu_bytes: V2's Engram CPU buffer; must be 0 (not supported).
-            sl_idx: V2's RDMA service level (accepted, unused: there is no RDMA path yet).
+            backend: ours, keyword-only after V2's arguments: `'auto'`, `'kernels'` or `'reference'` (see
+                `select_backend_class`).
+
+        Every argument keeps V2's position, so a positional V2 call binds the same parameters.
         """
         op = "ElasticBuffer"
         if not isinstance(group, dist.ProcessGroup):
@@ -179,6 +173,10 @@ class ElasticBuffer:
         num_max_tokens_per_rank = as_int(op, "num_max_tokens_per_rank", num_max_tokens_per_rank)
         hidden = as_int(op, "hidden", hidden)
         num_topk = as_int(op, "num_topk", num_topk)
+        if not 0 <= num_topk <= MAX_TOPK:
+            raise ValueError(f"{op}: `num_topk` must be in [0, {MAX_TOPK}] (0: any; DeepEP V2's limit), got {num_topk}")
+        if group.size() > MAX_RANKS:
+            raise ValueError(f"{op}: `group` must have <= {MAX_RANKS} ranks (DeepEP V2's limit), got {group.size()}")
         num_allocated_qps = as_int(op, "num_allocated_qps", num_allocated_qps)
         as_int(op, "sl_idx", sl_idx)
         if as_int(op, "num_cpu_bytes", num_cpu_bytes) != 0:
@@ -223,7 +221,7 @@ class ElasticBuffer:
         self.group = group
         self.rank_idx = group.rank()
         self.num_ranks = group.size()
-        self.device = _group_device(group)
+        self.device = group_device(group)
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
@@ -294,10 +292,10 @@ class ElasticBuffer:
         )
 
         # Logical and physical domains
-        self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
+        self.num_scaleout_ranks, self.num_scaleup_ranks = get_logical_domain_size(group, self.allow_hybrid_mode)
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
-        self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
+        self.num_rdma_ranks, self.num_nvlink_ranks = get_physical_domain_size(group)
 
         # Without `explicitly_destroy`, the backend is released with the buffer (no communication)
         if not self.explicitly_destroy:
@@ -425,7 +423,16 @@ class ElasticBuffer:
             allow_multiple_reduction,
         )
 
-    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
+    def get_theoretical_num_sms(
+        self,
+        num_experts: int,
+        num_topk: int,
+        num_scaleout_topk: int = 0,
+        rdma_gbs: float = 0,
+        nvlink_gbs: float = 0,
+        sm_read_gbs: float = 200,
+        sm_write_gbs: float = 50,
+    ) -> int:
         """Return the SM count for dispatch/combine that the planner picks for this buffer (memoized).
 
         The planner (`deep_ep.planner`, docs/planner.md) models the time of a dispatch and a combine of
@@ -438,6 +445,8 @@ class ElasticBuffer:
         Arguments:
             num_experts: the number of experts.
             num_topk: the number of top-k lanes.
+            num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs: DeepEP V2's model inputs,
+                accepted for its callers; our planner uses its calibrated rates instead (docs/planner.md).
 
         Returns:
             num_sms: the SM count, at most the device's (132 SMs are assumed without CUDA).
@@ -479,12 +488,12 @@ class ElasticBuffer:
         return min(planner.theoretical_num_qps(num_sms, use_hybrid), self.num_allocated_qps)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
-        """Return `(num_rdma_ranks, num_nvlink_ranks)`."""
-        return self._live_backend("get_physical_domain_size").get_physical_domain_size()
+        """Return `(num_rdma_ranks, num_nvlink_ranks)`: the group's hosts and the ranks on each."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
 
     def get_logical_domain_size(self) -> tuple[int, int]:
-        """Return `(num_scaleout_ranks, num_scaleup_ranks)`; the reference backend: `(1, num_ranks)`."""
-        return self._live_backend("get_logical_domain_size").get_logical_domain_size()
+        """Return `(num_scaleout_ranks, num_scaleup_ranks)`: `(1, num_ranks)` (hybrid mode is not built)."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     # Streams and events
     @staticmethod
@@ -624,7 +633,8 @@ class ElasticBuffer:
                     topk_idx=request.topk_idx.clone() if do_handle_copy else request.topk_idx,
                     num_recv_tokens=result.num_recv_tokens,
                     num_expanded_tokens=result.num_expanded_tokens,
-                    num_recv_tokens_per_expert_list=result.num_recv_tokens_per_expert_list,
+                    # V2: an empty list when the counts were not synchronized to the host
+                    num_recv_tokens_per_expert_list=result.num_recv_tokens_per_expert_list or [],
                     psum_num_recv_tokens_per_scaleup_rank=result.psum_num_recv_tokens_per_scaleup_rank,
                     psum_num_recv_tokens_per_expert=result.psum_num_recv_tokens_per_expert,
                     num_unaligned_recv_tokens_per_expert=result.num_unaligned_recv_tokens_per_expert,

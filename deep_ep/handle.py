@@ -73,7 +73,7 @@ class EPHandle:
             this is the worst case `N * Tmax` (it may not be exact without CPU sync).
         num_expanded_tokens: rows of the expanded outputs; with CPU sync `sum_e align(count_e, a)`,
             without it the worst case `align(N * Tmax * min(K, L) + L * (a - 1), a)`.
-        num_recv_tokens_per_expert_list: Python list of the aligned per-expert counts (`None` without CPU sync).
+        num_recv_tokens_per_expert_list: Python list of the aligned per-expert counts (`[]` without CPU sync).
         psum_num_recv_tokens_per_scaleup_rank: `[N]` `torch.int32`, inclusive prefix sum of the tokens
             received from each rank; the last element is the real number of received tokens.
         psum_num_recv_tokens_per_expert: `[L]` `torch.int32`; non-expand: inclusive prefix sum of the
@@ -85,6 +85,7 @@ class EPHandle:
             rank, `-1` for `-1` lanes.
         token_metadata_at_forward: `None` (hybrid mode only, not used).
         channel_linked_list: `None` (hybrid mode only, not used).
+        cached_recv_src_metadata_before_sort: `None`: our receive order needs no sort (`deterministic_sort`).
 
     Attributes (ours):
         num_tokens: `T`, the tokens this rank dispatched (and gets back from combine).
@@ -142,6 +143,7 @@ class EPHandle:
         self.dst_buffer_slot_idx = dst_buffer_slot_idx
         self.token_metadata_at_forward = token_metadata_at_forward
         self.channel_linked_list = channel_linked_list
+        self.cached_recv_src_metadata_before_sort: torch.Tensor | None = None
         self.num_tokens = num_tokens
         self.num_topk = num_topk
         self.hidden = hidden
@@ -150,6 +152,11 @@ class EPHandle:
         self.scale_kind = scale_kind
         self.backend_state = backend_state
         self.buffer_origin = buffer_origin
+
+    def deterministic_sort(self, *args: Any, **kwargs: Any) -> None:
+        """DeepEP V2 sorts the received rows here into a run-independent order, because its slots go to
+        whichever token claims them first. Ours are a prefix scan, the same on every run and every
+        backend, so the rows are in that order already and this sorts nothing (it takes V2's arguments)."""
 
     @property
     def num_combine_rows(self) -> int:

@@ -31,6 +31,9 @@ from deep_ep.handle import BufferOrigin, EPHandle
 from deep_ep.records import hidden_row_error
 from deep_ep.utils.math import ceil_div
 
+# DeepEP V2's limits (its `elastic.py` asserts them): top-k lanes, experts, experts per rank, ranks
+MAX_TOPK, MAX_EXPERTS, MAX_EXPERTS_PER_RANK, MAX_RANKS = 32, 2048, 256, 1024
+
 
 @dataclass(frozen=True)
 class ValidationContext:
@@ -361,6 +364,10 @@ def validate_dispatch(
         check_tensor(op, "topk_idx", topk_idx, torch.int64, [num_tokens, None], ctx.device)
         if topk_idx.shape[1] < 1:
             raise ValueError(f"{op}: `topk_idx` must have at least one lane, got shape {_shape(topk_idx)}")
+        if topk_idx.shape[1] > MAX_TOPK:
+            raise ValueError(
+                f"{op}: `topk_idx` must have <= {MAX_TOPK} lanes (DeepEP V2's limit), got {topk_idx.shape[1]}"
+            )
         if ctx.num_topk > 0 and topk_idx.shape[1] > ctx.num_topk:
             raise ValueError(
                 f"{op}: `topk_idx` must have <= {ctx.num_topk} lanes (the buffer's `num_topk`), got {topk_idx.shape[1]}"
@@ -371,6 +378,11 @@ def validate_dispatch(
         if num_experts % ctx.num_ranks != 0:
             raise ValueError(
                 f"{op}: `num_experts` must be a multiple of the number of ranks ({ctx.num_ranks}), got {num_experts}"
+            )
+        if num_experts > MAX_EXPERTS or num_experts // ctx.num_ranks > MAX_EXPERTS_PER_RANK:
+            raise ValueError(
+                f"{op}: `num_experts` must be <= {MAX_EXPERTS} and <= {MAX_EXPERTS_PER_RANK} per rank (DeepEP V2's "
+                f"limits), got {num_experts} ({num_experts // ctx.num_ranks} per rank over {ctx.num_ranks} ranks)"
             )
         expert_alignment = as_int(
             op, "expert_alignment", 1 if expert_alignment is None else expert_alignment, minimum=1

@@ -86,7 +86,7 @@ def test_single_rank_dispatch_and_handle(group: dist.ProcessGroup) -> None:
     )
     routed = (topk_idx >= 0).any(dim=1)
     num_recv = int(routed.sum())
-    assert recv_x.shape == (16, 128) and handle.num_recv_tokens == 16 and handle.num_recv_tokens_per_expert_list is None
+    assert recv_x.shape == (16, 128) and handle.num_recv_tokens == 16 and handle.num_recv_tokens_per_expert_list == []
     assert int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == num_recv
     assert torch.equal(recv_x[:num_recv], x[routed]) and torch.equal(recv_topk_idx[:num_recv], topk_idx[routed])
     assert handle.num_expanded_tokens == worst_case_num_expanded_tokens(1, 16, 2, 4, 1) == 32

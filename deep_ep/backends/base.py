@@ -359,14 +359,6 @@ class EPBackend(abc.ABC):
             allow_multiple_reduction,
         )  # fmt: skip
 
-    def get_logical_domain_size(self) -> tuple[int, int]:
-        """Return `(num_scaleout_ranks, num_scaleup_ranks)`; one scale-up domain by default."""
-        return 1, self.config.num_ranks
-
-    def get_physical_domain_size(self) -> tuple[int, int]:
-        """Return `(num_rdma_ranks, num_nvlink_ranks)`; one NVLink domain by default."""
-        return 1, self.config.num_ranks
-
     @property
     def dead_reason(self) -> str | None:
         """Why the backend can no longer be used (a device fault, or an exception in the middle of

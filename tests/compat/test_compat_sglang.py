@@ -207,7 +207,7 @@ def _decode_tbo_worker(rank: int, num_ranks: int, seed: int, backend: str, shape
             event.current_stream_wait()
         assert recv_topk_idx is None
         total_expanded = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
-        assert total_expanded == handle.num_expanded_tokens and handle.num_recv_tokens_per_expert_list is None
+        assert total_expanded == handle.num_expanded_tokens and handle.num_recv_tokens_per_expert_list == []
         out = _decode_rows(recv_x, recv_topk_weights, handle, local_diag)
         combined_x, combined_weights, event = buffer.combine(
             out, handle=handle, topk_weights=recv_topk_weights, num_sms=num_sms, num_qps=num_qps
