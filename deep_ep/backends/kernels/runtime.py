@@ -228,7 +228,9 @@ class NvlinkRuntime:
     def _peer_message(self, rank: int) -> str:
         """The error text `rank` left in our window when it stopped the buffer (post_fault.cuh)."""
         start = PEER_MESSAGE_OFFSET + rank * PEER_MESSAGE_BYTES
-        staged = torch.empty(PEER_MESSAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+        # Staged in our own message buffer: a rank that read a peer's fault never posts its own, and
+        # pinned memory allocated now could wait for the device
+        staged = self._fault_message
         with torch.cuda.stream(self._fault_stream):
             staged.copy_(self.windows.bytes[start : start + PEER_MESSAGE_BYTES], non_blocking=True)
         wait_for_stream(self._fault_stream, timeout_s=self.cpu_timeout_s)
