@@ -7,11 +7,12 @@ chosen by name through `deep_ep.backends.registry`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -142,6 +143,7 @@ class ElasticBuffer:
         explicitly_destroy: bool = False,
         *,
         backend: str = "auto",
+        enable_rank_masking: bool = False,
     ) -> None:
         """Create the buffer on every rank of `group` (collective).
 
@@ -164,6 +166,8 @@ class ElasticBuffer:
             explicitly_destroy: require an explicit `destroy()` (otherwise the destructor releases).
             backend: ours, keyword-only after V2's arguments: `'auto'`, `'kernels'` or `'reference'` (see
                 `select_backend_class`).
+            enable_rank_masking: ours: allow `mask_ranks` (dispatches drop the lanes of masked ranks;
+                docs/semantics.md). The reference backend has it; the kernels do not yet.
 
         Every argument keeps V2's position, so a positional V2 call binds the same parameters.
         """
@@ -233,6 +237,13 @@ class ElasticBuffer:
         self.prefer_overlap_with_compute = flags["prefer_overlap_with_compute"]
         self.num_allocated_qps = num_allocated_qps
         self.explicitly_destroy = flags["explicitly_destroy"]
+        self.enable_rank_masking = as_bool(op, "enable_rank_masking", enable_rank_masking)
+        if self.enable_rank_masking and not backend_class.supports_rank_masking:
+            raise ValueError(
+                f"{op}: `enable_rank_masking`=True needs a backend that masks ranks, got the {backend_class.name!r} "
+                "backend, which does not yet (pass backend='reference')"
+            )
+        self._masked_ranks: frozenset[int] = frozenset()
         self.buffer_id = next(_buffer_ids)
         # One call at a time: a second thread inside the same buffer would interleave two operations
         # on one window, which every peer would then read as a sequence that diverged
@@ -254,6 +265,7 @@ class ElasticBuffer:
             num_allocated_qps=num_allocated_qps,
             num_cpu_timeout_secs=num_cpu_timeout_secs,
             num_gpu_timeout_secs=num_gpu_timeout_secs,
+            enable_rank_masking=self.enable_rank_masking,
         )
         self._failure: str | None = None
         self._theoretical_num_sms: dict[tuple[int, int], int] = {}
@@ -386,6 +398,36 @@ class ElasticBuffer:
             self.backend.destroy()
             self.backend = None
             self._lifetime.end("destroyed")
+
+    # Rank masking
+    def mask_ranks(self, ranks: Iterable[int]) -> None:
+        """Mask `ranks` from the next dispatch on: no lane is sent to them, and a masked rank sends nothing.
+
+        Local: every rank that goes on must mask the same ranks before its next dispatch (a masked
+        rank may be gone and cannot agree). Handles made before are refused afterwards (dispatch again).
+
+        Arguments:
+            ranks: rank indices in `[0, num_ranks)`; added to those masked already.
+        """
+        if not self.enable_rank_masking:
+            raise ValueError("mask_ranks: needs a buffer created with `enable_rank_masking`=True, got False")
+        added = set()
+        for rank in ranks:
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
+                raise ValueError(f"mask_ranks: `ranks` must hold rank indices in [0, {self.num_ranks}), got {rank!r}")
+            added.add(rank)
+        self._masked_ranks = self._masked_ranks | added
+
+    def get_masked_ranks(self) -> list[int]:
+        """The masked ranks, ascending (empty without rank masking)."""
+        return sorted(self._masked_ranks)
+
+    def _check_handle_mask(self, op: str, handle: EPHandle | None) -> None:
+        if handle is not None and self.enable_rank_masking and handle.masked_ranks != self._masked_ranks:
+            raise ValueError(
+                f"{op}: `handle` must come from a dispatch under the current mask ({self.get_masked_ranks()}), got one "
+                f"made with masked ranks {sorted(handle.masked_ranks)}; dispatch again"
+            )
 
     # Sizes and topology
     @staticmethod
@@ -616,7 +658,10 @@ class ElasticBuffer:
                 do_zero_padding=do_zero_padding,
                 use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
             )
-            return request, as_bool("dispatch", "do_handle_copy", do_handle_copy)
+            self._check_handle_mask("dispatch", handle)
+            return dataclasses.replace(request, masked_ranks=self._masked_ranks), as_bool(
+                "dispatch", "do_handle_copy", do_handle_copy
+            )
 
         request, do_handle_copy = self._checked("dispatch", backend, check)
 
@@ -648,6 +693,8 @@ class ElasticBuffer:
                     scale_kind=request.scale_kind,
                     backend_state=result.backend_state,
                     buffer_origin=self._origin,
+                    masked_ranks=request.masked_ranks,
+                    num_masked_lanes=result.num_masked_lanes,
                 )
             inputs = (
                 request.x,
@@ -708,6 +755,7 @@ class ElasticBuffer:
         backend = self._live_backend("combine")
 
         def check() -> CombineRequest:
+            self._check_handle_mask("combine", handle)
             return validate_combine(
                 self._ctx,
                 self.get_theoretical_num_qps,

@@ -97,6 +97,9 @@ class EPHandle:
         backend_state: the backend's private state for combine and cached dispatch.
         buffer_origin: the `BufferOrigin` of the buffer that made the handle (`None` for a handle made
             by hand), for the error that names it when the handle reaches another buffer.
+        masked_ranks: the ranks masked when the dispatch ran (`ElasticBuffer.mask_ranks`).
+        num_masked_lanes: `[1]` `torch.int32`, the lanes of this rank's tokens that rank masking
+            dropped (their expert's rank, or this rank, was masked); `None` without rank masking.
     """
 
     def __init__(
@@ -126,6 +129,8 @@ class EPHandle:
         token_metadata_at_forward: torch.Tensor | None = None,
         channel_linked_list: torch.Tensor | None = None,
         buffer_origin: BufferOrigin | None = None,
+        masked_ranks: frozenset[int] = frozenset(),
+        num_masked_lanes: torch.Tensor | None = None,
     ) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
@@ -152,6 +157,8 @@ class EPHandle:
         self.scale_kind = scale_kind
         self.backend_state = backend_state
         self.buffer_origin = buffer_origin
+        self.masked_ranks = masked_ranks
+        self.num_masked_lanes = num_masked_lanes
 
     def deterministic_sort(self, *args: Any, **kwargs: Any) -> None:
         """DeepEP V2 sorts the received rows here into a run-independent order, because its slots go to

@@ -79,6 +79,7 @@ class BufferConfig:
         num_allocated_qps: the number of RDMA queue pairs allocated.
         num_cpu_timeout_secs: the deadline of every host-side wait.
         num_gpu_timeout_secs: the deadline of every device-side wait.
+        enable_rank_masking: whether dispatches honour masked ranks (`DispatchRequest.masked_ranks`).
     """
 
     rank_idx: int
@@ -96,6 +97,7 @@ class BufferConfig:
     num_allocated_qps: int
     num_cpu_timeout_secs: float
     num_gpu_timeout_secs: float
+    enable_rank_masking: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,9 @@ class DispatchRequest:
         allow_multiple_reduction: the buffer's flag (informational for dispatch).
         cached_handle: the handle of an earlier dispatch of this buffer (same routing, same mode), or
             `None`. With a handle, the backend reuses its layout and `backend_state`.
+        masked_ranks: the ranks masked on this buffer (`ElasticBuffer.mask_ranks`): a fresh dispatch
+            sends nothing to them (their experts' lanes count as `-1`), and a masked rank sends
+            nothing itself. Empty without rank masking.
     """
 
     x: torch.Tensor
@@ -151,6 +156,7 @@ class DispatchRequest:
     deterministic: bool
     allow_multiple_reduction: bool
     cached_handle: EPHandle | None
+    masked_ranks: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -163,6 +169,30 @@ class DispatchRequest:
     @property
     def num_topk(self) -> int:
         return self.topk_idx.shape[1]
+
+
+def apply_rank_mask(
+    topk_idx: torch.Tensor, masked_ranks: frozenset[int], rank_idx: int, num_local_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing a fresh dispatch sends under rank masking, and what that dropped.
+
+    Arguments:
+        topk_idx: `[T, K]` `torch.int64` global expert ids or `-1`.
+        masked_ranks: the masked ranks; `rank_idx` among them masks every lane.
+        rank_idx: the dispatching rank.
+        num_local_experts: `L` (rank `r` owns experts `[r*L, (r+1)*L)`).
+
+    Returns:
+        routing: `[T, K]` `torch.int64`, `topk_idx` with the dropped lanes set to `-1` (a new tensor).
+        num_masked_lanes: `[1]` `torch.int32`, the valid lanes dropped.
+    """
+    valid = topk_idx >= 0
+    if rank_idx in masked_ranks:
+        dropped = valid
+    else:
+        masked = torch.tensor(sorted(masked_ranks), dtype=torch.int64, device=topk_idx.device)
+        dropped = valid & torch.isin(torch.div(topk_idx, num_local_experts, rounding_mode="floor"), masked)
+    return topk_idx.masked_fill(dropped, -1), dropped.sum().reshape(1).to(torch.int32)
 
 
 def check_topk_idx_values(op: str, topk_idx: torch.Tensor, num_experts: int) -> None:
@@ -233,6 +263,8 @@ class DispatchResult:
         dst_buffer_slot_idx: `[T, K]` `torch.int32`: for a valid lane, the token's slot at the lane's
             destination rank (its index among this rank's tokens sent to that rank); `-1` for `-1` lanes.
         backend_state: anything the backend needs later for a cached dispatch or a combine.
+        num_masked_lanes: `[1]` `torch.int32`, the lanes of this rank's tokens that rank masking dropped
+            (their expert is on a masked rank, or this rank is masked); `None` without rank masking.
     """
 
     recv_x: torch.Tensor
@@ -248,6 +280,7 @@ class DispatchResult:
     recv_src_metadata: torch.Tensor
     dst_buffer_slot_idx: torch.Tensor
     backend_state: Any
+    num_masked_lanes: torch.Tensor | None = None
 
 
 def worst_case_num_recv_tokens(num_ranks: int, num_max_tokens_per_rank: int) -> int:
@@ -330,6 +363,8 @@ class EPBackend(abc.ABC):
     # True: dispatch without CPU sync, cached dispatch and combine wait for nothing on the host, so a
     # CUDA graph can record them (the facade refuses every call of other backends inside a capture)
     supports_graph_capture: ClassVar[bool] = False
+    # True: honours `DispatchRequest.masked_ranks` (`ElasticBuffer(enable_rank_masking=True)`)
+    supports_rank_masking: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         self.group = group

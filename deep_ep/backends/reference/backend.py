@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from deep_ep.backends.base import (
     DispatchResult,
     EPBackend,
     ScaleKind,
+    apply_rank_mask,
     worst_case_num_expanded_tokens,
     worst_case_num_recv_tokens,
 )
@@ -67,6 +69,7 @@ class ReferenceState:
 
     send: SendLayout
     recv: RecvLayout
+    num_masked_lanes: torch.Tensor | None = None  # with rank masking: the lanes its routing dropped
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -112,6 +115,7 @@ class ReferenceBackend(EPBackend):
     """Dispatch and combine with torch collectives; the oracle of every other backend."""
 
     name = "reference"
+    supports_rank_masking: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
@@ -175,8 +179,13 @@ class ReferenceBackend(EPBackend):
             wait_for_stream()  # torch's own host syncs below (nonzero) must find nothing queued
         handle = req.cached_handle
         num_local_experts = req.num_experts // self.num_ranks
+        routing, num_masked_lanes = req.topk_idx, None
         if handle is None:
-            send = compute_send_layout(req.topk_idx, self.num_ranks, num_local_experts)
+            if self.config.enable_rank_masking:
+                routing, num_masked_lanes = apply_rank_mask(
+                    req.topk_idx, req.masked_ranks, self.rank_idx, num_local_experts
+                )
+            send = compute_send_layout(routing, self.num_ranks, num_local_experts)
         else:
             state: ReferenceState = handle.backend_state
             send = state.send
@@ -202,7 +211,7 @@ class ReferenceBackend(EPBackend):
         if req.topk_weights is not None:
             parts.append(_to_bytes(req.topk_weights)[rows])
         if handle is None:
-            parts.append(_to_bytes(req.topk_idx)[rows])
+            parts.append(_to_bytes(routing)[rows])
             parts.append(_to_bytes(rows.to(torch.int64)))
         records = self._all_to_all(torch.cat(parts, dim=1), send.send_counts, recv_counts, "the dispatch data exchange")
 
@@ -223,7 +232,7 @@ class ReferenceBackend(EPBackend):
             recv = compute_recv_layout(
                 recv_counts, src_token_idx, recv_topk_idx, self.rank_idx, num_local_experts, req.expert_alignment
             )
-            state = ReferenceState(send=send, recv=recv)
+            state = ReferenceState(send=send, recv=recv, num_masked_lanes=num_masked_lanes)
         recv = state.recv
         if req.cumulative_local_expert_recv_stats is not None:
             stats = req.cumulative_local_expert_recv_stats
@@ -302,6 +311,7 @@ class ReferenceBackend(EPBackend):
                 recv_src_metadata=handle.recv_src_metadata,
                 dst_buffer_slot_idx=handle.dst_buffer_slot_idx,
                 backend_state=state,
+                num_masked_lanes=state.num_masked_lanes,
             )
 
         # Handle fields
@@ -329,6 +339,7 @@ class ReferenceBackend(EPBackend):
             recv_src_metadata=metadata,
             dst_buffer_slot_idx=state.send.dst_buffer_slot_idx,
             backend_state=state,
+            num_masked_lanes=state.num_masked_lanes,
         )
 
     def combine(self, request: CombineRequest) -> CombineResult:
