@@ -659,9 +659,9 @@ class ElasticBuffer:
                 use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
             )
             self._check_handle_mask("dispatch", handle)
-            return dataclasses.replace(request, masked_ranks=self._masked_ranks), as_bool(
-                "dispatch", "do_handle_copy", do_handle_copy
-            )
+            if self._masked_ranks:  # a copy of the request only where a mask applies
+                request = dataclasses.replace(request, masked_ranks=self._masked_ranks)
+            return request, as_bool("dispatch", "do_handle_copy", do_handle_copy)
 
         request, do_handle_copy = self._checked("dispatch", backend, check)
 
