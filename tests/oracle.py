@@ -318,7 +318,9 @@ def expected_combine(
     hidden: int,
     num_topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Combine by brute force: per token, an FP32 loop over holder ranks (and lanes) in contract order.
+    """Combine by brute force: per token, an FP32 loop in DeepEP V2's order (its `refs.combine`): from
+    +0.0, the biases, then one partial per holder rank, holders by ascending last lane; without
+    multiple reduction in expand mode, every lane's row, lanes ascending.
 
     `combine_inputs[d]` holds rank `d`'s combine `x` and `topk_weights` (or None), both on the CPU.
     """
@@ -329,11 +331,17 @@ def expected_combine(
     weights = torch.zeros((num_tokens, num_topk), dtype=torch.float32) if has_weights else None
     for token, lanes in enumerate(table):
         acc = torch.zeros(hidden, dtype=torch.float32)
-        holders = sorted({routing.holder(e) for e in lanes if e >= 0})
-        for d in holders:
+        for b in bias:
+            acc = acc + b[token].float()
+        valid = [(lane, routing.holder(e)) for lane, e in enumerate(lanes) if e >= 0]
+        last_lane = {d: lane for lane, d in valid}  # the highest lane of each holder
+        if do_expand and not allow_multiple_reduction:
+            for lane, d in valid:
+                acc = acc + combine_inputs[d]["x"][routing.expanded[d][(rank, token, lane)]].float()
+        for d in sorted(last_lane, key=last_lane.get):
             x_d = combine_inputs[d]["x"]
             w_d = combine_inputs[d]["topk_weights"]
-            my_lanes = [lane for lane, e in enumerate(lanes) if e >= 0 and routing.holder(e) == d]
+            my_lanes = [lane for lane, holder in valid if holder == d]
             if not do_expand:
                 row = routing.rows[d].index((rank, token))
                 acc = acc + x_d[row].float()
@@ -347,13 +355,8 @@ def expected_combine(
                 for row in expanded:
                     partial = partial + x_d[row].float()
                 acc = acc + partial.to(torch.bfloat16).float()
-            else:
-                for row in expanded:
-                    acc = acc + x_d[row].float()
             if has_weights:
                 for lane, row in zip(my_lanes, expanded, strict=True):
                     weights[token, lane] = w_d[row]
-        for b in bias:
-            acc = acc + b[token].float()
         out[token] = acc.to(torch.bfloat16)
     return out, weights

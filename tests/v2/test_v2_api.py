@@ -28,7 +28,10 @@ def test_the_constructor_takes_v2s_arguments_in_v2s_order() -> None:
     parameters = list(inspect.signature(deep_ep.ElasticBuffer.__init__).parameters.values())[1:]
     positional = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert tuple(positional) == V2_CONSTRUCTOR
-    assert [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY] == ["backend", "enable_rank_masking"]
+    assert [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY] == [
+        "backend",
+        "enable_rank_masking",
+    ]
 
 
 def test_a_positional_v2_call_binds_the_same_parameters(group: dist.ProcessGroup) -> None:
