@@ -286,7 +286,9 @@ def check_dispatch(
             else -1
             for lane, e in enumerate(lanes)
         ]
-        metadata.append([src * case.num_max_tokens_per_rank + token, src, *expanded])
+        # Column 1, V2's: the source rank times K plus the token's highest lane to this rank
+        master_lane = max(lane for lane, e in enumerate(lanes) if e >= 0 and routing.holder(e) == rank)
+        metadata.append([src * case.num_max_tokens_per_rank + token, src * num_topk + master_lane, *expanded])
     got_metadata = handle.recv_src_metadata
     assert tuple(got_metadata.shape) == (exp_recv_rows, 2 + num_topk), (
         f"recv_src_metadata shape {tuple(got_metadata.shape)}"
@@ -297,12 +299,14 @@ def check_dispatch(
     mine = routing.topk_idx[rank]
     for token, lanes in enumerate(mine):
         row = []
-        for e in lanes:
-            if e < 0:
+        for lane, e in enumerate(lanes):
+            d = routing.holder(e) if e >= 0 else -1
+            # V2's: `rank * Tmax + slot` on the token's highest lane to `d` only
+            if e < 0 or any(f >= 0 and routing.holder(f) == d for f in lanes[lane + 1 :]):
                 row.append(-1)
             else:
-                d = routing.holder(e)
-                row.append(sum(1 for t in range(token) if any(f >= 0 and routing.holder(f) == d for f in mine[t])))
+                slot = sum(1 for t in range(token) if any(f >= 0 and routing.holder(f) == d for f in mine[t]))
+                row.append(rank * case.num_max_tokens_per_rank + slot)
         slots.append(row)
     expected_slots = torch.tensor(slots, dtype=torch.int32).reshape(len(mine), num_topk)
     assert_bitwise(handle.dst_buffer_slot_idx, expected_slots, "dst_buffer_slot_idx")

@@ -185,7 +185,9 @@ class ReferenceBackend(EPBackend):
                 routing, num_masked_lanes = apply_rank_mask(
                     req.topk_idx, req.masked_ranks, self.rank_idx, num_local_experts
                 )
-            send = compute_send_layout(routing, self.num_ranks, num_local_experts)
+            send = compute_send_layout(
+                routing, self.num_ranks, num_local_experts, self.rank_idx, req.num_max_tokens_per_rank
+            )
         else:
             state: ReferenceState = handle.backend_state
             send = state.send
@@ -317,7 +319,10 @@ class ReferenceBackend(EPBackend):
         # Handle fields
         metadata = torch.full((num_recv_alloc, 2 + num_topk), -1, dtype=torch.int32, device=device)
         metadata[:num_recv, 0] = (recv.src_rank * req.num_max_tokens_per_rank + recv.src_token_idx).to(torch.int32)
-        metadata[:num_recv, 1] = recv.src_rank.to(torch.int32)
+        # V2's column 1: the source rank times K plus the token's highest lane to this rank (master lane)
+        lanes = torch.arange(num_topk, device=device).expand(num_recv, num_topk)
+        master_lane = torch.where(recv.local_expert_idx >= 0, lanes, -1).max(dim=1).values
+        metadata[:num_recv, 1] = (recv.src_rank * num_topk + master_lane).to(torch.int32)
         if req.do_expand:
             metadata[:num_recv, 2:] = recv.expanded_row.to(torch.int32)
         psum_ranks = torch.tensor(recv.recv_counts, dtype=torch.int64, device=device).cumsum(dim=0)
