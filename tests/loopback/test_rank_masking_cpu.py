@@ -71,8 +71,11 @@ def test_a_masked_rank_drops_out_and_the_others_match_the_reference_with_its_lan
     outcomes = LoopbackWorld(NUM_RANKS, device="cpu", timeout_s=120).run(_masking_rank, do_expand, seed)
     for rank, outcome in enumerate(outcomes):
         assert all(outcome["same"].values()), (rank, seed, outcome)
-        assert outcome["num_masked_lanes"] == outcome["expected_masked_lanes"] > 0, (rank, seed, outcome)
+        assert outcome["num_masked_lanes"] == outcome["expected_masked_lanes"], (rank, seed, outcome)
         assert outcome["masked"] == [MASKED]
+    # The masked rank drops every lane of its own; a few tokens of another rank may miss rank 5
+    assert outcomes[MASKED]["num_masked_lanes"] > 0
+    assert sum(o["num_masked_lanes"] for r, o in enumerate(outcomes) if r != MASKED) > 0, (seed, outcomes)
 
 
 def test_mask_ranks_checks_its_arguments(group: dist.ProcessGroup) -> None:

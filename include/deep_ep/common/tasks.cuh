@@ -2,8 +2,8 @@
 
 // How the communication kernels hand out their tasks: in order, to whichever warp asks next.
 // NVLink does not share the link fairly among the SMs that write to it: with tasks dealt
-// round-robin, some CTAs of a dispatch or combine finished 50 us before the last one, which then
-// sent the tail with a fraction of the link. Here every warp starts with the task of its global
+// round-robin, some CTAs of a dispatch or combine finished long before the last one, which then
+// sent the tail with a fraction of the link (bench/NOTES.md). Here every warp starts with the task of its global
 // index (a decode batch with at most one task per warp never touches the counter); later tasks
 // come from a counter in this rank's workspace, claimed when the warp starts its current task so
 // that the atomic's round trip hides behind the copies. Tasks still go out in order, so the slots

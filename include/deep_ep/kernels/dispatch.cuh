@@ -126,10 +126,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     constexpr int kRecordVectors = Record::kBytes / 16;
     constexpr int kNumScaleInts = kNumScaleBytes / 4;
     // A record that fits 16 vectors per lane (FP8) goes in one batch of loads: one load round trip
-    // per token (measured: -7 us of 216 for a cached T=8192 dispatch). Larger ones (BF16) move 16
-    // vectors per lane too in the cached kernel (-18 us of 400 at T=8192), but would spill in the
-    // fresh one, nor with more than 2 destinations). Fewer in flight when many destination pointers
-    // share the registers.
+    // per token. Larger ones (BF16) move 16 vectors per lane too in the cached kernel, but would
+    // spill in the fresh one, nor with more than 2 destinations (bench/NOTES.md has the figures).
+    // Fewer in flight when many destination pointers share the registers.
     constexpr bool kOneBatch = kRecordVectors <= 32 * 2 * kCopyUnroll;
     constexpr int kUnroll = kNumRanks > 8                                 ? kCopyUnroll / 4
                             : kNumRanks > 4                               ? kCopyUnroll / 2
@@ -176,8 +175,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
         int* group_counts = scratch + kScratchGroupCounts;  // [group][rank]
         // Tokens per expert are counted per CTA in shared memory, then added to the device-wide
         // counters once per (CTA, expert): the counters of all experts share a few L2 lines, whose
-        // slices serialize atomics (measured: 64K of them, for T=8192 top-8, made the count pass
-        // ~10 us). Experts past the shared counters (more than 4 ranks of 1024) add directly.
+        // slices serialize atomics (one per (token, lane) made the count pass slow: bench/NOTES.md).
+        // Experts past the shared counters (more than 4 ranks of 1024) add directly.
         const int num_shared_experts = min(num_local_experts * kNumRanks, kMaxSharedExpertCounts);
         for (int e = threadIdx.x; e < num_shared_experts; e += kNumThreads) cta_expert_counts[e] = 0;
         __syncthreads();
@@ -340,8 +339,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
 
     // Tasks of `tokens_per_task` consecutive tokens (inside one group), one warp each, in order.
     // The last round (one task per warp) takes single tokens: a warp sends at a fraction of the link,
-    // and whole tasks left a few warps sending alone at the end (the last CTA ended ~10 us after the
-    // median one at T=8192).
+    // and whole tasks left a few warps sending alone at the end (bench/NOTES.md).
     const int tokens_per_task = args.tokens_per_task;
     const int whole_end = max(0, num_tokens - num_channels * kNumWarps) / tokens_per_task * tokens_per_task;
     const int num_whole_tasks = whole_end / tokens_per_task;
