@@ -80,9 +80,10 @@ class EPHandle:
             aligned counts; expand: `sum_{j<e} align(count_j, a) + count_e`.
         num_unaligned_recv_tokens_per_expert: `[L]` `torch.int32`, the real per-expert counts.
         recv_src_metadata: `[num_recv_tokens, 2 + K]` `torch.int32`: `src_rank * Tmax + src_token_idx`,
-            `src_rank`, then per lane the expanded row (expand mode, local lanes) or `-1`.
-        dst_buffer_slot_idx: `[T, K]` `torch.int32`, per lane the token's slot at the lane's destination
-            rank, `-1` for `-1` lanes.
+            `src_rank * K + master lane` (the token's highest lane to this rank), then per lane the
+            expanded row (expand mode, local lanes) or `-1`.
+        dst_buffer_slot_idx: `[T, K]` `torch.int32`, on the token's highest lane to each destination
+            rank `rank * Tmax + slot` at that destination; `-1` on its other lanes there and on `-1` lanes.
         token_metadata_at_forward: `None` (hybrid mode only, not used).
         channel_linked_list: `None` (hybrid mode only, not used).
         cached_recv_src_metadata_before_sort: `None`: our receive order needs no sort (`deterministic_sort`).

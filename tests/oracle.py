@@ -286,7 +286,9 @@ def check_dispatch(
             else -1
             for lane, e in enumerate(lanes)
         ]
-        metadata.append([src * case.num_max_tokens_per_rank + token, src, *expanded])
+        # Column 1, V2's: the source rank times K plus the token's highest lane to this rank
+        master_lane = max(lane for lane, e in enumerate(lanes) if e >= 0 and routing.holder(e) == rank)
+        metadata.append([src * case.num_max_tokens_per_rank + token, src * num_topk + master_lane, *expanded])
     got_metadata = handle.recv_src_metadata
     assert tuple(got_metadata.shape) == (exp_recv_rows, 2 + num_topk), (
         f"recv_src_metadata shape {tuple(got_metadata.shape)}"
@@ -297,12 +299,14 @@ def check_dispatch(
     mine = routing.topk_idx[rank]
     for token, lanes in enumerate(mine):
         row = []
-        for e in lanes:
-            if e < 0:
+        for lane, e in enumerate(lanes):
+            d = routing.holder(e) if e >= 0 else -1
+            # V2's: `rank * Tmax + slot` on the token's highest lane to `d` only
+            if e < 0 or any(f >= 0 and routing.holder(f) == d for f in lanes[lane + 1 :]):
                 row.append(-1)
             else:
-                d = routing.holder(e)
-                row.append(sum(1 for t in range(token) if any(f >= 0 and routing.holder(f) == d for f in mine[t])))
+                slot = sum(1 for t in range(token) if any(f >= 0 and routing.holder(f) == d for f in mine[t]))
+                row.append(rank * case.num_max_tokens_per_rank + slot)
         slots.append(row)
     expected_slots = torch.tensor(slots, dtype=torch.int32).reshape(len(mine), num_topk)
     assert_bitwise(handle.dst_buffer_slot_idx, expected_slots, "dst_buffer_slot_idx")
@@ -318,7 +322,9 @@ def expected_combine(
     hidden: int,
     num_topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Combine by brute force: per token, an FP32 loop over holder ranks (and lanes) in contract order.
+    """Combine by brute force: per token, an FP32 loop in DeepEP V2's order (its `refs.combine`): from
+    +0.0, the biases, then one partial per holder rank, holders by ascending last lane; without
+    multiple reduction in expand mode, every lane's row, lanes ascending.
 
     `combine_inputs[d]` holds rank `d`'s combine `x` and `topk_weights` (or None), both on the CPU.
     """
@@ -329,11 +335,17 @@ def expected_combine(
     weights = torch.zeros((num_tokens, num_topk), dtype=torch.float32) if has_weights else None
     for token, lanes in enumerate(table):
         acc = torch.zeros(hidden, dtype=torch.float32)
-        holders = sorted({routing.holder(e) for e in lanes if e >= 0})
-        for d in holders:
+        for b in bias:
+            acc = acc + b[token].float()
+        valid = [(lane, routing.holder(e)) for lane, e in enumerate(lanes) if e >= 0]
+        last_lane = {d: lane for lane, d in valid}  # the highest lane of each holder
+        if do_expand and not allow_multiple_reduction:
+            for lane, d in valid:
+                acc = acc + combine_inputs[d]["x"][routing.expanded[d][(rank, token, lane)]].float()
+        for d in sorted(last_lane, key=last_lane.get):
             x_d = combine_inputs[d]["x"]
             w_d = combine_inputs[d]["topk_weights"]
-            my_lanes = [lane for lane, e in enumerate(lanes) if e >= 0 and routing.holder(e) == d]
+            my_lanes = [lane for lane, holder in valid if holder == d]
             if not do_expand:
                 row = routing.rows[d].index((rank, token))
                 acc = acc + x_d[row].float()
@@ -347,13 +359,8 @@ def expected_combine(
                 for row in expanded:
                     partial = partial + x_d[row].float()
                 acc = acc + partial.to(torch.bfloat16).float()
-            else:
-                for row in expanded:
-                    acc = acc + x_d[row].float()
             if has_weights:
                 for lane, row in zip(my_lanes, expanded, strict=True):
                     weights[token, lane] = w_d[row]
-        for b in bias:
-            acc = acc + b[token].float()
         out[token] = acc.to(torch.bfloat16)
     return out, weights

@@ -258,10 +258,12 @@ class DispatchResult:
             `align(count_e, a)`; expand: `offset_e + count_e`.
         num_unaligned_recv_tokens_per_expert: `[L]` `torch.int32`, `count_e`.
         recv_src_metadata: `[num_recv_tokens, 2 + K]` `torch.int32`, one row per received token in the
-            non-expand row order: `src_rank * Tmax + src_token_idx`, `src_rank`, then per lane the
-            expanded row of that (token, lane) if the lane's expert is local and `do_expand`, else `-1`.
-        dst_buffer_slot_idx: `[T, K]` `torch.int32`: for a valid lane, the token's slot at the lane's
-            destination rank (its index among this rank's tokens sent to that rank); `-1` for `-1` lanes.
+            non-expand row order: `src_rank * Tmax + src_token_idx`, `src_rank * K + master lane` (the
+            token's highest lane whose expert is local), then per lane the expanded row of that (token,
+            lane) if the lane's expert is local and `do_expand`, else `-1`.
+        dst_buffer_slot_idx: `[T, K]` `torch.int32`: on the token's highest lane to each destination rank,
+            `rank * Tmax + slot` (slot: its index among this rank's tokens sent there); `-1` on its other
+            lanes to that rank and on `-1` lanes.
         backend_state: anything the backend needs later for a cached dispatch or a combine.
         num_masked_lanes: `[1]` `torch.int32`, the lanes of this rank's tokens that rank masking dropped
             (their expert is on a masked rank, or this rank is masked); `None` without rank masking.

@@ -185,7 +185,9 @@ class ReferenceBackend(EPBackend):
                 routing, num_masked_lanes = apply_rank_mask(
                     req.topk_idx, req.masked_ranks, self.rank_idx, num_local_experts
                 )
-            send = compute_send_layout(routing, self.num_ranks, num_local_experts)
+            send = compute_send_layout(
+                routing, self.num_ranks, num_local_experts, self.rank_idx, req.num_max_tokens_per_rank
+            )
         else:
             state: ReferenceState = handle.backend_state
             send = state.send
@@ -317,7 +319,10 @@ class ReferenceBackend(EPBackend):
         # Handle fields
         metadata = torch.full((num_recv_alloc, 2 + num_topk), -1, dtype=torch.int32, device=device)
         metadata[:num_recv, 0] = (recv.src_rank * req.num_max_tokens_per_rank + recv.src_token_idx).to(torch.int32)
-        metadata[:num_recv, 1] = recv.src_rank.to(torch.int32)
+        # V2's column 1: the source rank times K plus the token's highest lane to this rank (master lane)
+        lanes = torch.arange(num_topk, device=device).expand(num_recv, num_topk)
+        master_lane = torch.where(recv.local_expert_idx >= 0, lanes, -1).max(dim=1).values
+        metadata[:num_recv, 1] = (recv.src_rank * num_topk + master_lane).to(torch.int32)
         if req.do_expand:
             metadata[:num_recv, 2:] = recv.expanded_row.to(torch.int32)
         psum_ranks = torch.tensor(recv.recv_counts, dtype=torch.int64, device=device).cumsum(dim=0)
@@ -398,33 +403,47 @@ class ReferenceBackend(EPBackend):
         if weights is not None:
             back_weights = _from_bytes(unpacker.take(4 * weights.shape[1]), torch.float32, (weights.shape[1],))
 
-        # Reduce at home: holder ranks ascending (lanes ascending inside a rank), then biases
-        acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
+        # Where each holder's row of each token landed: per (token, holder rank), or per (token, lane)
         combined_weights = None
         if weights is not None:
             combined_weights = torch.zeros((num_tokens, num_topk), dtype=torch.float32, device=device)
+        row_at = torch.full((num_tokens, num_topk if per_lane else self.num_ranks), -1, dtype=torch.int64,
+                            device=device)  # fmt: skip
         offset = 0
         for rank in range(self.num_ranks):
             count = recv_counts[rank]
             block = slice(offset, offset + count)
-            offset += count
             if per_lane:
                 tokens, lanes = (send.dst_rank == rank).nonzero(as_tuple=True)
-                block_rows = back_rows[block]
-                for lane in range(num_topk):
-                    which = (lanes == lane).nonzero()[:, 0]
-                    acc[tokens[which]] = acc[tokens[which]] + block_rows[which].float()
+                row_at[tokens, lanes] = torch.arange(offset, offset + count, device=device)
                 if back_weights is not None:
                     combined_weights[tokens, lanes] = back_weights[block, 0]
             else:
                 tokens = send.send_token_idx[send_offset(send.send_counts, rank) :][:count]
-                acc[tokens] = acc[tokens] + back_rows[block].float()
+                row_at[tokens, rank] = torch.arange(offset, offset + count, device=device)
                 if back_weights is not None:
                     mine = send.dst_rank[tokens] == rank
                     combined_weights[tokens] = torch.where(mine, back_weights[block], combined_weights[tokens])
+            offset += count
+
+        # Reduce at home in DeepEP V2's order: from +0.0, bias 0, bias 1, then one partial per holder
+        # rank, holders by ascending last lane (per lane: every lane's row, lanes ascending); FP32
+        acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
         for bias in (req.bias_0, req.bias_1):
             if bias is not None:
                 acc = acc + bias.float()
+        token_idx = torch.arange(num_tokens, device=device)
+        for lane in range(num_topk):
+            dst = send.dst_rank[:, lane]
+            if per_lane:
+                rows = row_at[:, lane]
+            else:
+                # A holder's partial is added at its last lane: no later lane goes to the same rank
+                later = send.dst_rank[:, lane + 1 :] == dst.unsqueeze(1)
+                last = (dst >= 0) & ~later.any(dim=1)
+                rows = torch.where(last, row_at[token_idx, dst.clamp(min=0)], -1)
+            tokens = (rows >= 0).nonzero()[:, 0]
+            acc[tokens] = acc[tokens] + back_rows[rows[tokens]].float()
         return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=combined_weights)
 
     def announce(self, op: str, error: BaseException | None) -> None:

@@ -23,7 +23,9 @@ class SendLayout:
         send_counts: tokens sent to each rank, `[N]` host ints.
         send_token_idx: `[sum(send_counts)]` int64, token indices grouped by destination rank
             ascending, in token order inside a group (the order the destination stores them).
-        dst_buffer_slot_idx: `[T, K]` int32, the token's slot at the lane's destination rank, `-1` if masked.
+        dst_buffer_slot_idx: `[T, K]` int32, DeepEP V2's: `rank * Tmax + slot` (the token's slot at the
+            destination) on the token's highest lane to each destination rank, `-1` on its other lanes
+            there and on `-1` lanes.
     """
 
     dst_rank: torch.Tensor
@@ -57,8 +59,10 @@ class RecvLayout:
     aligned_counts: torch.Tensor
 
 
-def compute_send_layout(topk_idx: torch.Tensor, num_ranks: int, num_local_experts: int) -> SendLayout:
-    """Compute where each token goes: a column-wise scan over the `[T, N]` hit matrix."""
+def compute_send_layout(
+    topk_idx: torch.Tensor, num_ranks: int, num_local_experts: int, rank: int, num_max_tokens_per_rank: int
+) -> SendLayout:
+    """Compute where each token goes from rank `rank`: a column-wise scan over the `[T, N]` hit matrix."""
     num_tokens = topk_idx.shape[0]
     valid = topk_idx >= 0
     dst_rank = torch.where(valid, topk_idx // num_local_experts, -1)
@@ -66,7 +70,11 @@ def compute_send_layout(topk_idx: torch.Tensor, num_ranks: int, num_local_expert
     hit.scatter_(1, torch.where(valid, dst_rank, num_ranks), True)
     hit = hit[:, :num_ranks]
     slot = hit.long().cumsum(dim=0) - 1
-    dst_buffer_slot_idx = torch.where(valid, slot.gather(1, dst_rank.clamp(min=0)), -1).to(torch.int32)
+    # The master lane of a destination is the token's highest lane to it: no later lane goes there
+    later_same = torch.triu(dst_rank.unsqueeze(2) == dst_rank.unsqueeze(1), diagonal=1).any(dim=2)
+    master = valid & ~later_same
+    in_buffer = rank * num_max_tokens_per_rank + slot.gather(1, dst_rank.clamp(min=0))
+    dst_buffer_slot_idx = torch.where(master, in_buffer, -1).to(torch.int32)
     send_token_idx = hit.t().nonzero()[:, 1]
     return SendLayout(
         dst_rank=dst_rank,

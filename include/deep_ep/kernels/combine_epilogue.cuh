@@ -1,9 +1,10 @@
 #pragma once
 
-// After combine, on the home rank: for every token, sum the rows its holder ranks sent back, in
-// ascending rank order (and, without multiple reduction, ascending lane order inside a rank), in
-// FP32, then bias 0, then bias 1, with one rounding to BF16. This order is the contract that
-// `deep_ep.reference` models, so the result is bitwise reproducible. Top-k weights come back from
+// After combine, on the home rank: for every token, in FP32 from +0.0, bias 0, bias 1, then the
+// rows its holder ranks sent back: one partial per holder, holders in ascending order of their last
+// top-k lane (without multiple reduction, every lane's row, lanes ascending), with one rounding to
+// BF16. This is DeepEP V2's order (its kernel and `refs.combine`) and the contract that
+// `deep_ep.reference` models, so the result is bitwise V2's and reproducible. Top-k weights come back from
 // the holder of each lane's expert. In the plain layout this rank's own rows are read from the
 // combine input itself (combine.cuh does not copy them).
 // Work is split into (token, part) items so that small batches still use many warps.
@@ -100,7 +101,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
             const int limit = (d == args.rank and has_local_rows) ? args.num_local_rows - own_rows_begin : num_sent[j];
             if (slot[j] >= limit) slot[j] = -1;
         }
-        auto slot_of_rank = [&](int d) { return __shfl_sync(0xffffffff, slot[d / 32], d % 32); };
+        // Selected, not indexed: `d` is a run-time value, and an indexed register array would go to local memory
+        auto slot_of_rank = [&](int d) {
+            int value = slot[0];
+#pragma unroll
+            for (int j = 1; j < kRanksPerLane; ++j)
+                if (d / 32 == j) value = slot[j];
+            return __shfl_sync(0xffffffff, value, d % 32);
+        };
         // The slot of this lane's holder (every lane takes part in the shuffles); a lane whose
         // holder sends no row for this token counts as a `-1` lane
         int holder_slot = -1;
@@ -139,27 +147,31 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
         warp_ok = __all_sync(0xffffffff, lane_ok);
         if (not warp_ok) break;
 
-        // Holder ranks ascending (lanes ascending inside one), then the biases
+        // DeepEP V2's order: the biases, then per top-k lane ascending the lane's holder row(s). With
+        // one row per holder (a partial) it is added at the holder's last lane, so holders come in
+        // ascending order of their last lane; with a row per lane, each lane adds its own row
         float acc[kUnroll][8] = {};
         int4 values[kUnroll];
-#pragma unroll
-        for (int d = 0; d < kNumRanks; ++d) {
-            const int num_lanes = __popc(__ballot_sync(0xffffffff, holder == d));
-            if (num_lanes == 0) continue;
-            if (d == args.rank and has_local_rows) {
-                add_part<kRowVectors, kUnroll>(lane_idx, part, acc, own_values);
-                continue;
-            }
-            const char* slot_row = slot_at(d, slot_of_rank(d));
-            for (int j = 0; j < (kNumRows == 1 ? 1 : num_lanes); ++j) {
-                load_part<kRowVectors, kUnroll, true>(
-                    lane_idx, part, reinterpret_cast<const int4*>(slot_row + j * Slot::kRowBytes), values);
-                add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
-            }
-        }
         for (const int4* bias : {args.bias_0, args.bias_1}) {
             if (bias == nullptr) continue;
             load_part<kRowVectors, kUnroll>(lane_idx, part, bias + static_cast<int64_t>(t) * kRowVectors, values);
+            add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
+        }
+#pragma unroll
+        for (int k = 0; k < kNumTopk; ++k) {
+            const int d = __shfl_sync(0xffffffff, holder, k);  // the same on every lane
+            if (d < 0) continue;
+            const uint32_t lanes_of_d = __ballot_sync(0xffffffff, holder == d);
+            const bool is_last_lane = k == 31 or (lanes_of_d >> (k + 1)) == 0;
+            if (d == args.rank and has_local_rows) {
+                if (is_last_lane) add_part<kRowVectors, kUnroll>(lane_idx, part, acc, own_values);
+                continue;
+            }
+            if (kNumRows == 1 and not is_last_lane) continue;
+            const int row = kNumRows == 1 ? 0 : __popc(lanes_of_d & ((1u << k) - 1));  // k's place among d's lanes
+            load_part<kRowVectors, kUnroll, true>(
+                lane_idx, part, reinterpret_cast<const int4*>(slot_at(d, slot_of_rank(d)) + row * Slot::kRowBytes),
+                values);
             add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
         }
 #pragma unroll

@@ -385,12 +385,22 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
                         hit ? first + __popc(hits & lanes_below) : -1;
             }
             if (t < task_end and args.dst_slot_idx != nullptr) {
+                // V2's encoding: `rank * Tmax + slot` at the destination, on the token's highest lane
+                // to that destination only (the others, and `-1` lanes, hold -1)
+                int lane_rank[kNumTopk];
 #pragma unroll
                 for (int k = 0; k < kNumTopk; ++k) {
                     const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
+                    lane_rank[k] = expert < 0 ? -1 : static_cast<int>(expert / num_local_experts);
+                }
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k) {
+                    bool is_master = lane_rank[k] >= 0;
+#pragma unroll
+                    for (int j = k + 1; j < kNumTopk; ++j) is_master = is_master and lane_rank[j] != lane_rank[k];
+                    const int slot = is_master ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + lane_rank[k]] : -1;
                     args.dst_slot_idx[static_cast<int64_t>(t) * kNumTopk + k] =
-                        expert < 0 ? -1
-                                   : args.slot_idx[static_cast<int64_t>(t) * kNumRanks + expert / num_local_experts];
+                        slot < 0 ? -1 : args.rank * args.num_max_tokens_per_rank + slot;
                 }
             }
             // The lanes' slot writes, before every lane reads them

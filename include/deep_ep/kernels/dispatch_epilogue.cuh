@@ -194,6 +194,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
 
             const int expert = lane_idx < kNumTopk ? record_topk[lane_idx] : -1;
             const bool is_local = expert >= first_expert and expert < first_expert + num_local_experts;
+            const uint32_t local_lanes = __ballot_sync(0xffffffff, is_local);
             if constexpr (not kExpand) {
                 copy_row(payload, payload_scales, not from_self, i);
                 if (lane_idx < kNumTopk) {
@@ -227,7 +228,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
             }
             if (lane_idx == 0 and not args.is_cached) {
                 meta[0] = s * args.num_max_tokens_per_rank + src_token;
-                meta[1] = s;
+                // V2's: the source rank times K plus the token's highest lane to us (its master lane)
+                meta[1] = local_lanes == 0 ? -1 : s * kNumTopk + (31 - __clz(local_lanes));
             }
         }
 
