@@ -229,10 +229,18 @@ class NvlinkRuntime:
         """The error text `rank` left in our window when it stopped the buffer (post_fault.cuh)."""
         start = PEER_MESSAGE_OFFSET + rank * PEER_MESSAGE_BYTES
         # Staged in our own message buffer: a rank that read a peer's fault never posts its own, and
-        # pinned memory allocated now could wait for the device
+        # pinned memory allocated now could wait for the device. Copied by the driver, not by torch:
+        # torch's pinned allocator would remember our stream and record an event on it when the
+        # block is freed, after `destroy` has destroyed the stream (a segfault)
+        from cuda.bindings import driver as cuda
+
+        from deep_ep.jit import driver as jit_driver
+
         staged = self._fault_message
-        with torch.cuda.stream(self._fault_stream):
-            staged.copy_(self.windows.bytes[start : start + PEER_MESSAGE_BYTES], non_blocking=True)
+        source = data_ptr(self.windows.bytes) + start
+        with jit_driver.current_context(self.windows.bytes.device.index):
+            copied = cuda.cuMemcpyDtoHAsync(data_ptr(staged), source, PEER_MESSAGE_BYTES, self._fault_stream_handle)
+        jit_driver.check(copied, "cuMemcpyDtoHAsync")
         wait_for_stream(self._fault_stream, timeout_s=self.cpu_timeout_s)
         return bytes(staged.tolist()).split(b"\0", 1)[0].decode(errors="replace")
 
