@@ -602,8 +602,11 @@ class ElasticBuffer:
         """Send every token to the ranks that own its experts (collective). See `docs/semantics.md`.
 
         Arguments:
-            x: `[T, H]` `torch.bfloat16`, or a tuple `(data, scales)`: data `[T, H]` `torch.float8_e4m3fn`,
-                scales `[T, ceil(H / 128)]` `torch.float32` or packed UE8M0 `[T, ceil(H / 512)]` `torch.int32`.
+            x: `[T, H]` of any real dtype whose row is a multiple of 16 bytes (`torch.bfloat16`,
+                `torch.float8_e4m3fn`, `torch.float16`, `torch.uint8` packed FP4, ...), moved as raw bytes;
+                or a tuple `(data, scales)`: data as before, scales `[T, S]` `torch.float32` or `torch.int32`
+                (4-byte packs, e.g. FP32 per 128 elements `S = ceil(H / 128)`, MXFP8 per 32, packed UE8M0),
+                any `S >= 1` and any strides. `recv_x` keeps the dtype.
             topk_idx: `[T, K]` `deep_ep.topk_idx_t` (`torch.int64`), global expert ids, `-1` = none; `None`
                 with a cached `handle`.
             topk_weights: `[T, K]` `torch.float32`, carried unchanged, or `None`.
@@ -747,8 +750,9 @@ class ElasticBuffer:
             allocate_on_comm_stream: outputs belong to the communication stream's memory pool.
 
         Returns:
-            combined_x: `[T, H]` `torch.bfloat16`, FP32 sums over the holder ranks (ascending) plus biases,
-                rounded once.
+            combined_x: `[T, H]` `torch.bfloat16`: from +0.0 in FP32, the biases first, then one partial per
+                holder rank in ascending order of its last top-k lane (per lane without multiple
+                reduction), rounded once (DeepEP V2's order, docs/semantics.md).
             combined_topk_weights: `[T, K]` `torch.float32` (the holders' weights, `0` on `-1` lanes), or `None`.
             event: an `EventOverlap` marking the end of the communication.
         """

@@ -38,7 +38,13 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from deep_ep.records import CombineSlotLayout, DispatchRecordLayout, max_slot_bytes, window_bytes
+from deep_ep.records import (
+    DispatchRecordLayout,
+    buffer_region_bytes,
+    combine_region_bytes,
+    dispatch_region_bytes,
+    window_bytes,
+)
 
 MAX_RANKS = 2048
 
@@ -306,17 +312,17 @@ def buffer_size_hint(
     num_ranks_per_domain: int | None = None,
 ) -> int:
     """Buffer bytes per rank for the MoE shape (2 MiB aligned): the window layout of
-    `deep_ep.records` with one slot per (source rank, token), plus one per (source domain, token)
-    when hybrid mode may run across domains (`num_ranks_per_domain < num_ranks`; a bound for a design
-    not built yet). A slot holds a dispatch record or a combine slot, whichever is larger;
+    `deep_ep.records` (`buffer_region_bytes`: no larger than DeepEP V2's hint for the same arguments,
+    plus our workspace), with one more source block per domain when hybrid mode may run across
+    domains (`num_ranks_per_domain < num_ranks`; a bound for a design not built yet);
     `num_topk = 0` counts as 32 lanes."""
     num_topk = num_topk if num_topk > 0 else 32
     per_domain = num_ranks if num_ranks_per_domain is None else num_ranks_per_domain
     num_slot_ranks = num_ranks
     if allow_hybrid_mode and per_domain < num_ranks:
         num_slot_ranks += num_ranks // per_domain
-    slot_bytes = max_slot_bytes(hidden, num_topk, use_fp8_dispatch, allow_multiple_reduction)
-    return window_bytes(num_slot_ranks, num_max_tokens_per_rank, slot_bytes)
+    return window_bytes(buffer_region_bytes(num_slot_ranks, num_max_tokens_per_rank, hidden, num_topk,
+                                            use_fp8_dispatch, allow_multiple_reduction))  # fmt: skip
 
 
 def _buffer_bytes(shape: MoEShape, num_ranks: int, num_domains: int, mode: str) -> tuple[int, int]:
@@ -325,10 +331,9 @@ def _buffer_bytes(shape: MoEShape, num_ranks: int, num_domains: int, mode: str) 
     hidden_bytes = shape.hidden if shape.fp8_dispatch else 2 * shape.hidden
     scale_bytes = 4 * math.ceil(shape.hidden / 128) if shape.fp8_dispatch else 0
     record = DispatchRecordLayout(hidden_bytes, scale_bytes, shape.num_topk).num_bytes
-    slot = CombineSlotLayout(shape.hidden, 1, shape.num_topk).num_bytes
     return (
-        window_bytes(num_slot_ranks, shape.num_tokens, record),
-        window_bytes(num_slot_ranks, shape.num_tokens, slot),
+        window_bytes(dispatch_region_bytes(num_slot_ranks, shape.num_tokens, record)),
+        window_bytes(combine_region_bytes(num_slot_ranks, shape.num_tokens, shape.hidden, shape.num_topk, 1)),
     )
 
 

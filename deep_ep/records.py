@@ -1,7 +1,8 @@
 """The byte format of what travels between ranks, and the window it travels through.
 
-A window is a workspace, then one block of `num_max_tokens_per_rank` slots per source rank; a slot
-holds a dispatched token's record or a combine slot (never both at once, so they share the memory).
+A window is a workspace, then the dispatch records (one block of `num_max_tokens_per_rank` per source
+rank) or the combine slots (per holder rank and token, or per token and top-k lane): never both at
+once, so they share the memory.
 Mirrors `DispatchRecord`, `CombineSlot` and `kWorkspaceBytes` of `include/deep_ep/common/layout.cuh`
 (checked by `tests/test_layout.py`). The planner sizes buffers with it (`deep_ep.planner`) and the
 kernels place records with it (`deep_ep.backends.kernels`).
@@ -9,6 +10,7 @@ kernels place records with it (`deep_ep.backends.kernels`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from deep_ep.utils.math import align
@@ -26,18 +28,25 @@ def hidden_row_error(hidden: int, element_size: int) -> str | None:
     (the rule of `deep_ep.validation.check_hidden`, shared by `deep-ep plan`)."""
     if hidden >= 1 and (hidden * element_size) % ROW_ALIGNMENT_BYTES == 0:
         return None
-    multiple = ROW_ALIGNMENT_BYTES // element_size
-    dtype = {1: "FP8", 2: "BF16", 4: "FP32"}.get(element_size, f"{element_size}-byte")
+    multiple = ROW_ALIGNMENT_BYTES // math.gcd(ROW_ALIGNMENT_BYTES, element_size)
     return (
-        f"rows must be a positive multiple of {ROW_ALIGNMENT_BYTES} bytes (for {dtype}: hidden a multiple of "
-        f"{multiple}), got hidden {hidden} ({hidden * element_size} bytes)"
+        f"rows must be a positive multiple of {ROW_ALIGNMENT_BYTES} bytes (for {element_size}-byte elements: hidden "
+        f"a multiple of {multiple}), got hidden {hidden} ({hidden * element_size} bytes)"
     )
+
+
+def v2_record_bytes(hidden_bytes: int, scale_bytes: int, num_topk: int) -> int:
+    """DeepEP V2's dispatch record for the same token (its buffer hint's `tok_d`): data, scales and
+    `K * 8 + (1 + K) * 4` bytes of metadata, each 16-byte aligned."""
+    return align(hidden_bytes, 16) + align(scale_bytes, 16) + align(num_topk * 8 + (1 + num_topk) * 4, 16)
 
 
 @dataclass(frozen=True)
 class DispatchRecordLayout:
     """One dispatched token in the window: hidden bytes, scales, top-k ids/weights, source index;
-    128-byte aligned."""
+    128-byte aligned (stores that straddle lines cost NVLink bandwidth) where that stays within
+    DeepEP V2's record size (`v2_record_bytes`), else 16-byte aligned: a buffer is never larger
+    than V2's for the same shape."""
 
     hidden_bytes: int
     scale_bytes: int
@@ -53,41 +62,68 @@ class DispatchRecordLayout:
 
     @property
     def num_bytes(self) -> int:
-        return align(self.meta_offset + align(self.num_topk * 8 + 4, 16), 128)
+        packed = self.meta_offset + align(self.num_topk * 8 + 4, 16)
+        lined = align(packed, 128)
+        return lined if lined <= v2_record_bytes(self.hidden_bytes, self.scale_bytes, self.num_topk) else packed
 
 
 @dataclass(frozen=True)
 class CombineSlotLayout:
-    """One combine slot: `num_rows` BF16 rows, then the token's top-k weights."""
+    """One combine slot: a BF16 row, then the token's top-k weights (as the holder rank saw them)."""
 
     hidden: int
-    num_rows: int
     num_topk: int
 
     @property
     def weight_offset(self) -> int:
-        return self.num_rows * self.hidden * 2
+        return self.hidden * 2
 
     @property
     def num_bytes(self) -> int:
         return self.weight_offset + align(self.num_topk * 4, 16)
 
 
-def window_bytes(num_ranks: int, num_max_tokens_per_rank: int, slot_bytes: int) -> int:
-    """Window size: the workspace plus one slot block per source rank, 2 MiB aligned."""
-    return align(WORKSPACE_BYTES + num_ranks * num_max_tokens_per_rank * slot_bytes, BUFFER_ALIGNMENT_BYTES)
+def combine_uses_lane_slots(num_ranks: int, num_topk: int, num_rows: int) -> bool:
+    """Whether combine rows land per (token, top-k lane) rather than per (holder rank, dispatch
+    slot): without multiple reduction (`num_rows > 1` rows per holder), or with more ranks than
+    lanes; the smaller layout, as `kCombineLaneSlots` in layout.cuh."""
+    return num_rows > 1 or num_ranks > num_topk
 
 
-def max_slot_bytes(hidden: int, num_topk: int, use_fp8_dispatch: bool, allow_multiple_reduction: bool) -> int:
-    """The larger of a dispatch record and a combine slot for this MoE shape (they share memory).
+def combine_region_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+                         num_rows: int) -> int:  # fmt: skip
+    """Bytes of the combine slots in a window: `Tmax * K` lane slots or `N * Tmax` holder slots."""
+    lane_slots = combine_uses_lane_slots(num_ranks, num_topk, num_rows)
+    num_slots = num_max_tokens_per_rank * (num_topk if lane_slots else num_ranks)
+    return num_slots * CombineSlotLayout(hidden, num_topk).num_bytes
 
-    A BF16 record is always accounted for, so a buffer sized for FP8 also takes BF16 dispatches.
-    Without multiple reduction an expanded combine sends one row per local top-k lane.
+
+def window_bytes(num_region_bytes: int) -> int:
+    """Window size: the workspace plus the larger of the dispatch records and the combine slots (they
+    share the memory), 2 MiB aligned."""
+    return align(WORKSPACE_BYTES + num_region_bytes, BUFFER_ALIGNMENT_BYTES)
+
+
+def dispatch_region_bytes(num_ranks: int, num_max_tokens_per_rank: int, record_bytes: int) -> int:
+    """Bytes of the dispatch records in a window: one block of `Tmax` records per source rank."""
+    return num_ranks * num_max_tokens_per_rank * record_bytes
+
+
+def buffer_region_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+                        use_fp8_dispatch: bool, allow_multiple_reduction: bool) -> int:  # fmt: skip
+    """What a buffer for this MoE shape needs besides the workspace, as DeepEP V2 sizes it.
+
+    Dispatch: BF16 records, or with `use_fp8_dispatch` FP8 records with one 4-byte scale per 32
+    elements (the most V2 sizes for: MXFP8, and so also 1x128 FP32 and packed UE8M0 scales); a BF16
+    dispatch then needs a buffer sized for it. Combine: one row per holder rank and token with
+    multiple reduction, one per top-k lane without (expanded rows of a token's local lanes then
+    travel one by one).
     """
-    num_scale_bytes = (hidden + 127) // 128 * 4 if use_fp8_dispatch else 0
-    record = max(
-        DispatchRecordLayout(hidden * 2, 0, num_topk).num_bytes,
-        DispatchRecordLayout(hidden, num_scale_bytes, num_topk).num_bytes,
+    data_bytes, scale_bytes = (hidden, 4 * -(-hidden // 32)) if use_fp8_dispatch else (2 * hidden, 0)
+    record = DispatchRecordLayout(data_bytes, scale_bytes, num_topk).num_bytes
+    num_rows = 1 if allow_multiple_reduction else max(2, num_topk)
+    return max(
+        dispatch_region_bytes(num_ranks, num_max_tokens_per_rank, record),
+        combine_region_bytes(num_ranks, num_max_tokens_per_rank, hidden, num_topk, 1),
+        combine_region_bytes(num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows),
     )
-    rows = 1 if allow_multiple_reduction else max(1, num_topk)
-    return max(record, CombineSlotLayout(hidden, rows, num_topk).num_bytes)

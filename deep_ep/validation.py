@@ -29,7 +29,6 @@ from deep_ep.backends.base import CombineRequest, DispatchRequest, ScaleKind, ch
 from deep_ep.event import EventHandle
 from deep_ep.handle import BufferOrigin, EPHandle
 from deep_ep.records import hidden_row_error
-from deep_ep.utils.math import ceil_div
 
 # DeepEP V2's limits (its `elastic.py` asserts them): top-k lanes, experts, experts per rank, ranks
 MAX_TOPK, MAX_EXPERTS, MAX_EXPERTS_PER_RANK, MAX_RANKS = 32, 2048, 256, 1024
@@ -267,28 +266,37 @@ def check_hidden(op: str, name: str, ctx: ValidationContext, hidden: int, elemen
         raise ValueError(f"{op}: `{name}` hidden must be <= {ctx.hidden} (the buffer's `hidden`), got {hidden}")
 
 
+def _check_raw_rows(op: str, name: str, ctx: ValidationContext, data: Any) -> torch.Tensor:
+    """Dispatch moves `x` as raw bytes (V2): any dtype, 2-D, contiguous, rows a multiple of 16 bytes."""
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(data).__name__}")
+    if data.is_complex() or data.dtype == torch.bool or data.layout != torch.strided:
+        raise TypeError(f"{op}: `{name}` must be a strided tensor of a real dtype, got {data.dtype} ({data.layout})")
+    check_tensor(op, name, data, data.dtype, [None, None], ctx.device)
+    check_hidden(op, name, ctx, data.shape[1], data.element_size())
+    return data
+
+
 def parse_dispatch_x(op: str, ctx: ValidationContext, x: Any) -> tuple[torch.Tensor, torch.Tensor | None, ScaleKind]:
-    """Split `x` into (data, scales, scale kind) and check both tensors."""
+    """Split `x` into (data, scales, scale kind) and check both tensors.
+
+    The data may have any dtype (moved as raw bytes, never cast); the scales are 4-byte elements
+    (`torch.float32`, or `torch.int32` packs such as UE8M0 exponents) with any number of packs per
+    token (1x128 or 1x32 blocks, ...) and any strides, as in DeepEP V2."""
     if isinstance(x, torch.Tensor):
-        check_tensor(op, "x", x, torch.bfloat16, [None, None], ctx.device)
-        check_hidden(op, "x", ctx, x.shape[1], x.element_size())
-        return x, None, ScaleKind.NONE
+        return _check_raw_rows(op, "x", ctx, x), None, ScaleKind.NONE
     if not isinstance(x, (tuple, list)):
         raise TypeError(f"{op}: `x` must be a torch.Tensor or a tuple (data, scales), got {type(x).__name__}")
     if len(x) != 2:
         raise TypeError(f"{op}: `x` as a tuple must be (data, scales), got {len(x)} elements")
     data, scales = x
-    check_tensor(op, "x[0]", data, torch.float8_e4m3fn, [None, None], ctx.device)
-    check_hidden(op, "x[0]", ctx, data.shape[1], data.element_size())
-    num_tokens, hidden = data.shape
+    num_tokens = _check_raw_rows(op, "x[0]", ctx, data).shape[0]
     check_tensor(op, "x[1]", scales, (torch.float32, torch.int32), [None, None], ctx.device, contiguous=False)
-    kind = ScaleKind.FP32 if scales.dtype == torch.float32 else ScaleKind.UE8M0
-    num_packs = ceil_div(hidden, 128) if kind == ScaleKind.FP32 else ceil_div(hidden, 512)
-    if list(scales.shape) != [num_tokens, num_packs]:
+    if scales.shape[0] != num_tokens or scales.shape[1] < 1:
         raise ValueError(
-            f"{op}: `x[1]` ({kind.value} scales) must have shape [num_tokens, {'ceil(hidden / 128)' if kind == ScaleKind.FP32 else 'ceil(hidden / 512)'}]"
-            f" = {[num_tokens, num_packs]}, got {_shape(scales)}"
+            f"{op}: `x[1]` (scales) must have shape [num_tokens, num_packs] = [{num_tokens}, >= 1], got {_shape(scales)}"
         )
+    kind = ScaleKind.FP32 if scales.dtype == torch.float32 else ScaleKind.UE8M0
     return data, scales, kind
 
 

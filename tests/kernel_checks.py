@@ -7,16 +7,64 @@ from typing import Any
 
 import torch
 
+# Dispatch data kinds. BF16 and FP8 (e4m3) with per-128 FP32 or packed UE8M0 scales are real values;
+# the raw kinds are random bytes that the library must move untouched (DeepEP V2: any dtype whose row
+# is a multiple of 16 bytes, scales of any pack count and strides): float16, int8, FP8 e5m2 alone,
+# packed FP4 (two per uint8) with UE8M0 exponents per 32 elements packed 4 per int32 and given
+# column-major, and MXFP8 (e4m3 with one FP32 scale per 32 elements, column-major).
+RAW_KINDS = ("f16", "i8", "e5m2", "fp4x2", "mx32")
+
+
+def row_bytes(kind: str, hidden: int) -> tuple[int, int]:
+    """`(data bytes, scale bytes)` of one token of `kind` with `hidden` elements."""
+    blocks32 = -(-hidden // 32)
+    return {
+        "bf16": (2 * hidden, 0), "f16": (2 * hidden, 0), "i8": (hidden, 0), "e5m2": (hidden, 0),
+        "fp32": (hidden, 4 * -(-hidden // 128)), "ue8m0": (hidden, 4 * -(-hidden // 512)),
+        "fp4x2": (hidden // 2, 4 * -(-blocks32 // 4)), "mx32": (hidden, 4 * blocks32),
+    }[kind]  # fmt: skip
+
+
+def _random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    data = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8, generator=gen)
+    return data.view(dtype)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def make_x(kind: str, num_tokens: int, hidden: int, gen: torch.Generator, device: Any) -> Any:
+    """One rank's dispatch `x` of `kind` (see `RAW_KINDS` and `row_bytes`): a tensor or `(data, scales)`."""
+    from deep_ep.utils.fp8 import per_token_cast_to_fp8
+
+    if kind in ("bf16", "fp32", "ue8m0"):
+        x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
+        if kind == "bf16":
+            return x.to(device)
+        return tuple(t.to(device) for t in per_token_cast_to_fp8(x, use_ue8m0=kind == "ue8m0"))
+    dtype = {"f16": torch.float16, "i8": torch.int8, "e5m2": torch.float8_e5m2, "fp4x2": torch.uint8,
+             "mx32": torch.float8_e4m3fn}[kind]  # fmt: skip
+    data_bytes, scale_bytes = row_bytes(kind, hidden)
+    data = _random_bytes((num_tokens, data_bytes // dtype.itemsize), dtype, gen).to(device)
+    if kind == "fp4x2":
+        scales = _column_major(_random_bytes((num_tokens, scale_bytes // 4), torch.int32, gen)).to(device)
+    elif kind == "mx32":
+        scales = torch.rand((scale_bytes // 4, num_tokens), generator=gen).to(device).t()  # column-major
+    else:
+        return data
+    return data, scales
+
 
 def make_inputs(rank: int, num_ranks: int, num_tokens: int, hidden: int, dtype: str, num_experts: int,
                 num_topk: int, routing: str, masked: float, num_bias: int, seed: int, device: Any) -> tuple:  # fmt: skip
     """`(x, topk_idx, topk_weights, bias)` of one rank, random with `seed`.
 
-    `dtype`: `'bf16'`, `'fp32'` (FP8 with FP32 per-128 scales) or `'ue8m0'` (FP8 with packed UE8M0
-    scales). `routing`: `'uniform'`, `'hot'` (half the tokens prefer rank 1's experts), `'one'`
+    `dtype`: `'bf16'`, `'fp32'` (FP8 with FP32 per-128 scales), `'ue8m0'` (FP8 with packed UE8M0
+    scales) or one of `RAW_KINDS`. `routing`: `'uniform'`, `'hot'` (half the tokens prefer rank 1's experts), `'one'`
     (every token goes to rank 0) or `'none'` (every lane -1). `bias`: `None`, one tensor or a pair.
     """
-    from deep_ep.utils.fp8 import per_token_cast_to_fp8
     from deep_ep.utils.routing import imbalanced_routing, uniform_routing
 
     gen = torch.Generator().manual_seed(seed * 131 + rank)
@@ -35,12 +83,7 @@ def make_inputs(rank: int, num_ranks: int, num_tokens: int, hidden: int, dtype: 
         if routing == "none":
             topk_idx.fill_(-1)
             weights.zero_()
-    x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
-    if dtype != "bf16":
-        x = per_token_cast_to_fp8(x, use_ue8m0=dtype == "ue8m0")
-        x = tuple(t.to(device) for t in x)
-    else:
-        x = x.to(device)
+    x = make_x(dtype, num_tokens, hidden, gen, device)
     bias = [torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16).to(device) for _ in range(num_bias)]
     bias = None if num_bias == 0 else (bias[0] if num_bias == 1 else tuple(bias))
     return x, topk_idx.to(device), weights.to(device), bias

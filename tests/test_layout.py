@@ -10,8 +10,10 @@ from deep_ep import records
 from deep_ep.backends.kernels import layout
 from deep_ep.paths import get_include_dir
 
-SHAPES = [(14336, 0, 8), (7168, 224, 8), (7168, 56, 8), (4096, 128, 6), (256, 8, 1), (2048, 64, 32)]
-COMBINE = [(7168, 1, 8), (7168, 8, 8), (2048, 3, 6), (128, 1, 1)]
+SHAPES = [(14336, 0, 32), (14336, 0, 8), (7168, 224, 8), (7168, 56, 8), (4096, 128, 6), (256, 8, 1), (2048, 64, 32)]
+COMBINE = [(7168, 8), (2048, 6), (128, 1), (4096, 32)]
+# (ranks, top-k, rows per holder): which combine layout the kernels and the sizing agree on
+COMBINE_LAYOUTS = [(8, 8, 1), (16, 8, 1), (2, 8, 1), (2, 8, 8), (4, 1, 1), (64, 9, 3)]
 
 
 def _assertions(offset_delta: int = 0) -> str:
@@ -59,11 +61,14 @@ def _assertions(offset_delta: int = 0) -> str:
             f"static_assert({record}::kScaleOffset == {py.scale_offset});",
             f"static_assert({record}::kMetaOffset == {py.meta_offset});",
         ]
-    for hidden, rows, topk in COMBINE:
-        py = records.CombineSlotLayout(hidden, rows, topk)
-        slot = f"deep_ep::CombineSlot<{hidden}, {rows}, {topk}>"
+    for hidden, topk in COMBINE:
+        py = records.CombineSlotLayout(hidden, topk)
+        slot = f"deep_ep::CombineSlot<{hidden}, {topk}>"
         lines += [f"static_assert({slot}::kBytes == {py.num_bytes});",
                   f"static_assert({slot}::kWeightOffset == {py.weight_offset});"]  # fmt: skip
+    for num_ranks, topk, rows in COMBINE_LAYOUTS:
+        lane_slots = str(records.combine_uses_lane_slots(num_ranks, topk, rows)).lower()
+        lines.append(f"static_assert(deep_ep::kCombineLaneSlots<{num_ranks}, {topk}, {rows}> == {lane_slots});")
     for code, name in layout.PHASES.items():
         constant = {"barrier": "kPhaseBarrier", "dispatch entry (peer window credit)": "kPhaseDispatchEntry",
                     "dispatch arrivals": "kPhaseDispatchArrival", "combine entry (peer window credit)": "kPhaseCombineEntry",
@@ -104,14 +109,30 @@ def test_a_wrong_constant_is_caught(tmp_path):
         _compile(tmp_path, _assertions(offset_delta=4))
 
 
-def test_window_size_counts_every_source_block():
-    slot = records.max_slot_bytes(7168, 8, use_fp8_dispatch=True, allow_multiple_reduction=True)
-    assert slot == records.DispatchRecordLayout(14336, 0, 8).num_bytes  # the BF16 record is the largest
-    size = records.window_bytes(2, 8192, slot)
-    assert size % records.BUFFER_ALIGNMENT_BYTES == 0
-    assert size >= records.WORKSPACE_BYTES + 2 * 8192 * slot
-    no_multi = records.max_slot_bytes(7168, 8, use_fp8_dispatch=False, allow_multiple_reduction=False)
-    assert no_multi == records.CombineSlotLayout(7168, 8, 8).num_bytes
+def test_window_size_counts_the_larger_of_the_records_and_the_combine_slots():
+    # EP2, top-8: the records of 2 sources are fewer than the 8 lane slots per token without
+    # multiple reduction, and more than the 2 holder slots with it
+    record = records.DispatchRecordLayout(14336, 0, 8).num_bytes
+    slot = records.CombineSlotLayout(7168, 8).num_bytes
+    with_reduction = records.buffer_region_bytes(2, 8192, 7168, 8, False, True)
+    assert with_reduction == 2 * 8192 * record
+    assert records.buffer_region_bytes(2, 8192, 7168, 8, False, False) == 8 * 8192 * slot
+    size = records.window_bytes(with_reduction)
+    assert size % records.BUFFER_ALIGNMENT_BYTES == 0 and size >= records.WORKSPACE_BYTES + with_reduction
+    # FP8 sizing counts MXFP8 records (a scale per 32 elements), which also hold 1x128 scales
+    fp8 = records.buffer_region_bytes(64, 4096, 7168, 8, True, True)
+    assert fp8 == 64 * 4096 * records.DispatchRecordLayout(7168, 4 * 224, 8).num_bytes
+    assert (
+        records.DispatchRecordLayout(7168, 4 * 56, 8).num_bytes < records.DispatchRecordLayout(7168, 896, 8).num_bytes
+    )
+
+
+@pytest.mark.parametrize("hidden_bytes, scale_bytes, topk", SHAPES)
+def test_records_start_on_lines_where_v2s_record_size_leaves_room(hidden_bytes, scale_bytes, topk):
+    record = records.DispatchRecordLayout(hidden_bytes, scale_bytes, topk)
+    assert record.num_bytes <= records.v2_record_bytes(hidden_bytes, scale_bytes, topk)
+    lined = -(-(record.meta_offset + topk * 8 + 4) // 128) * 128
+    assert record.num_bytes % 128 == 0 or lined > records.v2_record_bytes(hidden_bytes, scale_bytes, topk)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 8, 64])

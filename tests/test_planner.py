@@ -225,7 +225,7 @@ def test_detect_hardware_keeps_the_calibrated_rates():
 
 def test_buffer_size_hint_is_the_window_layout_and_hybrid_adds_domain_slots():
     from deep_ep.backends.kernels.backend import NvlinkBackend
-    from deep_ep.records import WORKSPACE_BYTES, max_slot_bytes, window_bytes
+    from deep_ep.records import WORKSPACE_BYTES, buffer_region_bytes, window_bytes
 
     class Group:
         def size(self) -> int:
@@ -233,11 +233,11 @@ def test_buffer_size_hint_is_the_window_layout_and_hybrid_adds_domain_slots():
 
     for tokens, hidden, topk, fp8, multiple in ((8192, 7168, 8, True, True), (128, 2048, 0, False, False)):
         hint = planner.buffer_size_hint(8, tokens, hidden, topk, fp8, True, multiple)
-        slot = max_slot_bytes(hidden, topk or 32, fp8, multiple)
-        assert hint == window_bytes(8, tokens, slot) >= WORKSPACE_BYTES + 8 * tokens * slot
+        region = buffer_region_bytes(8, tokens, hidden, topk or 32, fp8, multiple)
+        assert hint == window_bytes(region) >= WORKSPACE_BYTES + region
         assert hint == NvlinkBackend.get_buffer_size_hint(Group(), tokens, hidden, topk, fp8, True, multiple)
     across = planner.buffer_size_hint(64, 4096, 7168, 8, True, True, True, num_ranks_per_domain=8)
-    assert across == window_bytes(64 + 8, 4096, max_slot_bytes(7168, 8, True, True))
+    assert across == window_bytes(buffer_region_bytes(64 + 8, 4096, 7168, 8, True, True))
     assert planner.buffer_size_hint(64, 4096, 7168, 8, True, False, True, num_ranks_per_domain=8) < across
 
 

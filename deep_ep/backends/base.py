@@ -7,7 +7,7 @@ never validates user input again and never touches streams other than the curren
 
 Notation used below: `N` ranks, this rank `r`, `E` experts, `L = E / N` local experts (rank `r` owns
 global experts `[r * L, (r + 1) * L)`), `T` tokens on this rank, `H` hidden, `K` top-k lanes,
-`S` scale packs per token (`ceil(H / 128)` FP32 scales or `ceil(H / 512)` packed UE8M0 words),
+`S` 4-byte scale packs per token (any count, e.g. `ceil(H / 128)` FP32 scales, `ceil(H / 32)` for MXFP8),
 `Tmax` = `num_max_tokens_per_rank`, `a` = `expert_alignment`, `align(n, a)` = `n` rounded up to a
 multiple of `a`. `R` is the number of distinct tokens this rank receives, `count_e` the number of
 (token, lane) pairs routed to local expert `e`. The exact semantics are written in `docs/semantics.md`;
@@ -52,11 +52,11 @@ class ScaleKind(str, enum.Enum):
     """The format of the FP8 scales that travel with the data (the library never converts them)."""
 
     NONE = "none"
-    """BF16 data, no scales."""
+    """No scales (data of any dtype alone)."""
     FP32 = "fp32"
-    """`torch.float32` `[T, ceil(H / 128)]`: one scale per 128-element block."""
+    """`torch.float32` `[T, S]`: e.g. one scale per 128-element block (`S = ceil(H / 128)`) or per 32 (MXFP8)."""
     UE8M0 = "ue8m0"
-    """`torch.int32` `[T, ceil(H / 512)]`: 4 biased exponents per word, byte `j` of word `w` = block `4w + j`."""
+    """`torch.int32` `[T, S]`: e.g. 4 biased exponents per word, byte `j` of word `w` = block `4w + j`."""
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,9 @@ class DispatchRequest:
     `cumulative_local_expert_recv_stats`.
 
     Attributes:
-        x: `[T, H]` data, `torch.bfloat16` or `torch.float8_e4m3fn`, contiguous, `T <= Tmax`, `T` may be 0,
-            `H * x.element_size()` a multiple of 16.
-        scales: `None` for BF16; else `[T, S]` with `torch.float32` (`ScaleKind.FP32`) or `torch.int32`
+        x: `[T, H]` data of any real dtype (moved as raw bytes, never cast), contiguous, `T <= Tmax`, `T` may
+            be 0, `H * x.element_size()` a multiple of 16.
+        scales: `None`, or `[T, S]` (any `S >= 1`) with `torch.float32` (`ScaleKind.FP32`) or `torch.int32`
             (`ScaleKind.UE8M0`), arbitrary strides (V2 accepts e.g. a column-major scale tensor).
         scale_kind: the format of `scales`.
         topk_idx: `[T, K]` with `torch.int64`, contiguous, values in `[-1, E)`, no repeated expert in a

@@ -78,8 +78,9 @@ def measure_rank(rank: int, num_ranks: int, settings: CalibrationSettings) -> di
     from .timing import agree_on_replays, time_eager, time_graphs
 
     group = dist.group.WORLD
+    # Sized for BF16 records, which also hold the FP8 ones
     buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(settings.tokens), hidden=settings.hidden,
-                                   num_topk=settings.num_topk, use_fp8_dispatch=True, explicitly_destroy=True)  # fmt: skip
+                                   num_topk=settings.num_topk, use_fp8_dispatch=False, explicitly_destroy=True)  # fmt: skip
     if type(buffer.backend).__name__ != "NvlinkBackend":
         buffer.destroy()
         raise RuntimeError("calibrate: needs the NVLink kernels (all ranks in one NVLink domain)")

@@ -13,16 +13,17 @@ import random
 from typing import Any
 
 import torch
-from kernel_checks import check_dispatch, equal, make_inputs
+from kernel_checks import RAW_KINDS, check_dispatch, equal, make_inputs, row_bytes
 
 # Per world size: (hidden, top-k, dispatch dtypes). Between them every top-k in {1, 6, 8, 9}, every
 # hidden in {2560, 4096, 7168} and hidden sizes of an odd number of 16-byte vectors (2056 BF16,
-# 2064 FP8) run, with every dtype where it is valid.
+# 2064 FP8) run, with every dtype where it is valid; the raw kinds (any dtype as bytes, 1x32 scale
+# packs, column-major scales) at 3 and 4 ranks.
 ALL = ("bf16", "fp32", "ue8m0")
 SHAPES = {
     2: ((7168, 8, ALL), (2056, 1, ("bf16",)), (2064, 9, ("fp32", "ue8m0"))),
-    3: ((4096, 6, ALL), (2560, 9, ALL)),
-    4: ((7168, 8, ALL), (2064, 6, ALL)),
+    3: ((4096, 6, ALL + RAW_KINDS), (2560, 9, ALL)),
+    4: ((7168, 8, ALL), (2064, 6, (*ALL, "e5m2"))),
     8: ((4096, 9, ALL), (2560, 8, ALL)),
     16: ((2560, 8, ALL), (7168, 6, ALL), (4096, 1, ("bf16",))),
 }
@@ -34,10 +35,6 @@ def num_max_tokens(num_ranks: int) -> int:
     return 256 if num_ranks >= 8 else 512
 
 
-def scale_bytes(hidden: int, dtype: str) -> int:
-    return 0 if dtype == "bf16" else (-(-hidden // 128) * 4 if dtype == "fp32" else -(-hidden // 512) * 4)
-
-
 def kernel_specs(num_ranks: int) -> list:
     """Every kernel specialisation the sweep of `num_ranks` ranks can launch."""
     from deep_ep.backends.kernels import specs as kernels
@@ -45,7 +42,7 @@ def kernel_specs(num_ranks: int) -> list:
     specs = [kernels.barrier_spec(num_ranks)]
     for hidden, num_topk, dtypes in SHAPES[num_ranks]:
         for dtype in dtypes:
-            args = (num_ranks, hidden * (2 if dtype == "bf16" else 1), scale_bytes(hidden, dtype), num_topk)
+            args = (num_ranks, *row_bytes(dtype, hidden), num_topk)
             specs += [kernels.dispatch_spec(*args, cached) for cached in (False, True)]
             specs.append(kernels.dispatch_expand_rank_spec(*args))
             specs += [kernels.dispatch_epilogue_spec(*args, expand) for expand in (False, True)]
@@ -148,7 +145,7 @@ def run_case(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any], see
     start = {b: s.clone() for b, s in stats.items()} if stats else None
     kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts,
                   expert_alignment=case["alignment"], do_cpu_sync=case["cpu_sync"], do_expand=case["expand"],
-                  do_zero_padding=case["zero_padding"], use_tma_aligned_col_major_sf=case["col_major"] and case["dtype"] != "bf16",
+                  do_zero_padding=case["zero_padding"], use_tma_aligned_col_major_sf=case["col_major"] and row_bytes(case["dtype"], 1)[1] > 0,
                   do_handle_copy=case["handle_copy"])  # fmt: skip
     if case["call_max_tokens"]:
         kwargs["num_max_tokens_per_rank"] = case["max_tokens"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from deep_ep.jit import Opaque
-from deep_ep.records import CombineSlotLayout
+from deep_ep.records import CombineSlotLayout, combine_region_bytes, combine_uses_lane_slots
 
 from . import specs
 from .dispatch import NvlinkDispatchState
@@ -58,8 +58,14 @@ def run_combine(
     hidden = x.shape[1]
     num_local_experts = num_experts // runtime.num_ranks
     num_rows = min(num_topk, num_local_experts) if (do_expand and not allow_multiple_reduction) else 1
-    slot = CombineSlotLayout(hidden, num_rows, num_topk)
-    runtime.check_capacity(slot.num_bytes, num_max_tokens_per_rank, "combine")
+    slot = CombineSlotLayout(hidden, num_topk)
+    lane_slots = combine_uses_lane_slots(runtime.num_ranks, num_topk, num_rows)
+    runtime.check_capacity(
+        combine_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows),
+        "combine",
+        f"{num_max_tokens_per_rank} tokens x {f'{num_topk} lanes' if lane_slots else f'{runtime.num_ranks} ranks'} "
+        f"x {slot.num_bytes} bytes",
+    )
     num_sms = runtime.comm_grid(num_sms)
     combine_kernel, epilogue_kernel = runtime.share.load([
         specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand),

@@ -18,7 +18,7 @@ import torch
 
 from deep_ep.backends.base import check_topk_idx_values, worst_case_num_expanded_tokens
 from deep_ep.jit import I32, U64, Opaque
-from deep_ep.records import DispatchRecordLayout
+from deep_ep.records import DispatchRecordLayout, dispatch_region_bytes
 from deep_ep.utils.math import align
 
 from . import specs
@@ -88,8 +88,8 @@ def run_dispatch(
     Arguments:
         runtime: the buffer's runtime (windows, error block, count blocks, share of the GPU).
         stream: the stream every kernel of the dispatch goes on (the current one).
-        x: `[num_tokens, hidden]` BF16, or FP8 (`torch.float8_e4m3fn`) with `x_scales`.
-        x_scales: `[num_tokens, num_scales]` float32 (per 128) or int32 (packed UE8M0), or None.
+        x: `[num_tokens, hidden]` of any dtype (raw bytes, rows a multiple of 16 bytes), with or without `x_scales`.
+        x_scales: `[num_tokens, num_scales]` float32 or int32 (any pack count and strides), or None.
         topk_idx: `[num_tokens, num_topk]` int64 global expert ids, -1 for none.
         topk_weights: `[num_tokens, num_topk]` float32, or None.
         cumulative_stats: `[num_local_experts]` int32, incremented in place, or None.
@@ -107,7 +107,11 @@ def run_dispatch(
     scale_bytes = 0 if x_scales is None else x_scales.shape[1] * 4
     num_local_experts = num_experts // runtime.num_ranks
     record = DispatchRecordLayout(hidden_bytes, scale_bytes, num_topk)
-    runtime.check_capacity(record.num_bytes, num_max_tokens_per_rank, "dispatch")
+    runtime.check_capacity(
+        dispatch_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, record.num_bytes),
+        "dispatch",
+        f"{num_max_tokens_per_rank} tokens x {runtime.num_ranks} ranks x {record.num_bytes} bytes",
+    )
     device = x.device
     args_common = (runtime.num_ranks, hidden_bytes, scale_bytes, num_topk)
     num_sms = runtime.comm_grid(num_sms)

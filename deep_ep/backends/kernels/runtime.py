@@ -296,13 +296,15 @@ class NvlinkRuntime:
 
     # ---------------------------------------------------------------- capacity
 
-    def check_capacity(self, slot_bytes: int, num_max_tokens_per_rank: int, what: str) -> None:
-        needed = WORKSPACE_BYTES + self.num_ranks * num_max_tokens_per_rank * slot_bytes
+    def check_capacity(self, num_region_bytes: int, what: str, layout: str) -> None:
+        """Raise `ValueError` unless the window holds the workspace and `num_region_bytes` of `what`'s
+        records or slots (`layout` says how they were counted)."""
+        needed = WORKSPACE_BYTES + num_region_bytes
         if needed > self.windows.num_bytes:
             raise ValueError(
                 f"{what}: the buffer holds {self.windows.num_bytes} bytes per rank but this call needs {needed} "
-                f"({num_max_tokens_per_rank} tokens x {self.num_ranks} ranks x {slot_bytes} bytes); create the buffer "
-                "with ElasticBuffer.get_buffer_size_hint(...) for this shape"
+                f"({layout}); create the buffer with ElasticBuffer.get_buffer_size_hint(...) for this shape (a "
+                "buffer sized with `use_fp8_dispatch`=True holds FP8 dispatches, not BF16 ones)"
             )
 
     def expand_rank_scratch(self, num_elements: int) -> torch.Tensor:

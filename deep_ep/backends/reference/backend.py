@@ -47,17 +47,21 @@ _HEADER_FIELDS = (
     "expert_alignment",
     "do_expand",
     "hidden",
-    "element_size",
+    "dtype",
     "scale_kind",
+    "num_scale_packs",
     "has_weights",
 )
+# Every dtype of this torch, in a fixed order: `x` travels as raw bytes, and the ranks must agree on its dtype
+_DTYPES = tuple(dict.fromkeys(v for n in sorted(dir(torch)) if isinstance(v := getattr(torch, n), torch.dtype)))
 _SCALE_KIND_CODES = {ScaleKind.NONE: 0, ScaleKind.FP32: 1, ScaleKind.UE8M0: 2}
 # How a disagreement on a header field is worded: the user's argument and its value per rank
 _HEADER_ARGS = {
     "cached": ("`handle` (a cached dispatch)", lambda v: "given" if v else "None"),
     "hidden": ("`hidden` (x.shape[1])", str),
-    "element_size": ("`x` dtype", lambda v: {1: "float8_e4m3fn", 2: "bfloat16"}.get(v, f"{v}-byte")),
+    "dtype": ("`x` dtype", lambda v: str(_DTYPES[v]).removeprefix("torch.")),
     "scale_kind": ("`x` scales (x[1])", lambda v: ("none", "float32", "int32 (UE8M0)")[v]),
+    "num_scale_packs": ("number of scale packs (x[1].shape[1])", str),
     "has_weights": ("`topk_weights`", lambda v: "given" if v else "None"),
     "do_expand": ("`do_expand`", lambda v: str(bool(v))),
 }
@@ -199,8 +203,9 @@ class ReferenceBackend(EPBackend):
             "expert_alignment": req.expert_alignment,
             "do_expand": int(req.do_expand),
             "hidden": req.hidden,
-            "element_size": req.x.element_size(),
+            "dtype": _DTYPES.index(req.x.dtype),
             "scale_kind": _SCALE_KIND_CODES[req.scale_kind],
+            "num_scale_packs": 0 if req.scales is None else req.scales.shape[1],
             "has_weights": int(req.topk_weights is not None),
         }
         recv_counts = self._exchange_header(header, send.send_counts)

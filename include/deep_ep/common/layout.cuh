@@ -94,7 +94,9 @@ constexpr int kDispatchScratchInts = kScratchExpertCounts + kMaxRanks * kMaxLoca
 
 // One dispatched token: hidden bytes, scale bytes, then metadata (top-k ids as int32, top-k
 // weights as float, source token index), each part padded to 16 bytes for vector copies. Records
-// start on 128-byte lines: stores that straddle lines cost NVLink bandwidth.
+// start on 128-byte lines (stores that straddle lines cost NVLink bandwidth) where that keeps them
+// within DeepEP V2's record for the token (`kV2Bytes`, what its buffer hint counts), else on 16
+// bytes: a window is never larger than V2's buffer.
 template <int kHiddenBytes, int kNumScaleBytes, int kNumTopk>
 struct DispatchRecord {
     static_assert(kHiddenBytes % 16 == 0, "hidden bytes must be a multiple of 16");
@@ -103,17 +105,28 @@ struct DispatchRecord {
     static constexpr int kTopkIdxOffset = kMetaOffset;
     static constexpr int kWeightOffset = kTopkIdxOffset + kNumTopk * 4;
     static constexpr int kSrcIdxOffset = kWeightOffset + kNumTopk * 4;
-    static constexpr int kBytes = align_up(kMetaOffset + align_up(kNumTopk * 8 + 4, 16), 128);
+    static constexpr int kPackedBytes = kMetaOffset + align_up(kNumTopk * 8 + 4, 16);
+    static constexpr int kV2Bytes = kMetaOffset + align_up(kNumTopk * 8 + (1 + kNumTopk) * 4, 16);
+    static constexpr int kBytes =
+        align_up(kPackedBytes, 128) <= kV2Bytes ? align_up(kPackedBytes, 128) : kPackedBytes;
 };
 
-// One combine slot: `kNumRows` BF16 rows (1, or one per local top-k lane without multiple
-// reduction), then the top-k weights of the token as seen by the holder rank.
-template <int kHidden, int kNumRows, int kNumTopk>
+// One combine slot: a BF16 row, then the top-k weights of the token as seen by the holder rank.
+template <int kHidden, int kNumTopk>
 struct CombineSlot {
     static_assert(kHidden % 8 == 0, "hidden must be a multiple of 8");
     static constexpr int kRowBytes = kHidden * 2;
-    static constexpr int kWeightOffset = kNumRows * kRowBytes;
+    static constexpr int kWeightOffset = kRowBytes;
     static constexpr int kBytes = kWeightOffset + align_up(kNumTopk * 4, 16);
 };
+
+// Where combine rows land in the home rank's window: per holder rank, a block of `Tmax` slots
+// indexed like the token's dispatch slot there (`N * Tmax` slots), or per token, `K` slots indexed
+// by top-k lane (`Tmax * K` slots): a holder's partial at its last lane, or without multiple
+// reduction (`kNumRows` > 1) every lane's own row. The smaller of the two, as DeepEP V2 sizes its
+// combine buffer (`min(N, K)` rows per token with multiple reduction, `K` without); the holder's
+// weights travel in the slot of its last lane.
+template <int kNumRanks, int kNumTopk, int kNumRows>
+constexpr bool kCombineLaneSlots = kNumRows > 1 or kNumRanks > kNumTopk;
 
 }  // namespace deep_ep

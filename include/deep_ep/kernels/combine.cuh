@@ -1,7 +1,8 @@
 #pragma once
 
 // Combine, communication part: every received row goes back to its source rank, into that
-// source's combine slot for (this rank, slot), over NVLink. In the expanded layout with multiple
+// source's combine slot (layout.cuh: kCombineLaneSlots) for (this rank, slot), or for (token,
+// last lane of this rank), or per lane, over NVLink. In the expanded layout with multiple
 // reduction the rows of a token's local experts are first summed here (FP32, top-k lane order,
 // one rounding to BF16); without it each local lane's row travels on its own.
 // In the plain layout the rows this rank received from itself stay where they are: the combine
@@ -44,7 +45,8 @@ struct CombineArgs {
 
 template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kExpand>
 __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args) {
-    using Slot = CombineSlot<kHidden, kNumRows, kNumTopk>;
+    using Slot = CombineSlot<kHidden, kNumTopk>;
+    constexpr bool kLaneSlots = kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
     constexpr int kMetaCols = 2 + kNumTopk;
@@ -96,12 +98,26 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
         const int slot_begin = is_whole ? chunk * rows_per_task : whole_end + chunk - num_whole_chunks;
         const int slot_end = min(psum_src[s + 1] - psum_src[s], slot_begin + (is_whole ? rows_per_task : 1));
         if (slot_begin >= slot_end) continue;
-        char* source_slots = static_cast<char*>(peer_windows[s]) + kWorkspaceBytes +
-                             static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank * Slot::kBytes;
+        char* source_slots = static_cast<char*>(peer_windows[s]) + kWorkspaceBytes;
+        if constexpr (not kLaneSlots)
+            source_slots += static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank * Slot::kBytes;
         for (int item = 0; item < (slot_end - slot_begin) * kNumParts; ++item) {
             const int part = item % kNumParts, slot_idx = slot_begin + item / kNumParts;
             const int i = psum_src[s] + slot_idx;
-            char* slot = source_slots + static_cast<int64_t>(slot_idx) * Slot::kBytes;
+            // Per token and lane: the source's token index and our last lane of it (the handle's
+            // metadata; one outside the window is no row)
+            int token = 0, last_lane = 0;
+            if constexpr (kLaneSlots) {
+                token = args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols] - s * args.num_max_tokens_per_rank;
+                last_lane = args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 1] - s * kNumTopk;
+                if (token < 0 or token >= args.num_max_tokens_per_rank or last_lane < 0 or last_lane >= kNumTopk)
+                    continue;
+            }
+            auto slot_of_lane = [&](int k) {
+                return source_slots +
+                       (kLaneSlots ? static_cast<int64_t>(token) * kNumTopk + k : slot_idx) * Slot::kBytes;
+            };
+            char* slot = slot_of_lane(last_lane);
             float* slot_weights = reinterpret_cast<float*>(slot + Slot::kWeightOffset);
             int4* slot_rows = reinterpret_cast<int4*>(slot);
 
@@ -141,14 +157,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
                         if (v < kRowVectors) st_na_v4(slot_rows + v, round_bf16x8(acc[u]));
                     }
                 } else {
-                    // No multiple reduction: the j-th local lane's row goes to sub-row j
+                    // No multiple reduction: each local lane's row goes to the slot of its lane
                     uint32_t lanes = local_lanes;
-                    for (int j = 0; lanes != 0; ++j) {
+                    while (lanes != 0) {
                         const int k = __ffs(lanes) - 1;
                         lanes &= lanes - 1;
                         const int4* src =
                             args.x + static_cast<int64_t>(__shfl_sync(0xffffffff, expanded_row, k)) * kRowVectors;
-                        int4* dst = slot_rows + j * (Slot::kRowBytes / 16);
+                        int4* dst = reinterpret_cast<int4*>(slot_of_lane(k));
                         warp_copy_part<kRowVectors, kUnroll>(
                             lane_idx, part, [&](int v) { return ld_nc_v4(src + v); },
                             [&](int v, const int4& value) { st_na_v4(dst + v, value); });

@@ -53,7 +53,8 @@ struct CombineEpilogueArgs {
 
 template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineEpilogueArgs args) {
-    using Slot = CombineSlot<kHidden, kNumRows, kNumTopk>;
+    using Slot = CombineSlot<kHidden, kNumTopk>;
+    constexpr bool kLaneSlots = kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
     constexpr int kUnroll = 4;
@@ -79,9 +80,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
         has_local_rows
             ? min(max(args.rank == 0 ? 0 : args.psum_num_recv_tokens_per_rank[args.rank - 1], 0), args.num_local_rows)
             : 0;
-    auto slot_at = [&](int d, int slot) {
-        return args.window_base + kWorkspaceBytes +
-               (static_cast<int64_t>(d) * args.num_max_tokens_per_rank + slot) * Slot::kBytes;
+    // The slot of token `t`'s row from holder `d` at lane `k` (layout.cuh: kCombineLaneSlots)
+    auto slot_at = [&](int t, int d, int slot, int k) {
+        const int64_t index = kLaneSlots ? static_cast<int64_t>(t) * kNumTopk + k
+                                         : static_cast<int64_t>(d) * args.num_max_tokens_per_rank + slot;
+        return args.window_base + kWorkspaceBytes + index * Slot::kBytes;
     };
 
     const int num_items = args.num_tokens * kNumParts;
@@ -118,6 +121,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
             if (holder >= 0 and holder / 32 == j) holder_slot = value;
         }
         if (holder_slot < 0) holder = -1;
+        // The last lane of this lane's holder: its slot carries the holder's weights
+        const uint32_t lanes_of_holder = __match_any_sync(0xffffffff, holder);
+        const int holder_last_lane = 31 - __clz(lanes_of_holder);
 
         // This rank's own row is here already: load it while the holders' rows may still be on the wire
         const bool is_own_holder = has_local_rows and __ballot_sync(0xffffffff, holder == args.rank) != 0;
@@ -168,10 +174,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
                 continue;
             }
             if (kNumRows == 1 and not is_last_lane) continue;
-            const int row = kNumRows == 1 ? 0 : __popc(lanes_of_d & ((1u << k) - 1));  // k's place among d's lanes
             load_part<kRowVectors, kUnroll, true>(
-                lane_idx, part, reinterpret_cast<const int4*>(slot_at(d, slot_of_rank(d)) + row * Slot::kRowBytes),
-                values);
+                lane_idx, part, reinterpret_cast<const int4*>(slot_at(t, d, slot_of_rank(d), k)), values);
             add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
         }
 #pragma unroll
@@ -188,7 +192,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
                     weight = args.local_topk_weights[static_cast<int64_t>(own_rows_begin + holder_slot) * kNumTopk +
                                                      lane_idx];
             } else if (holder >= 0) {
-                weight = reinterpret_cast<const float*>(slot_at(holder, holder_slot) + Slot::kWeightOffset)[lane_idx];
+                weight = reinterpret_cast<const float*>(slot_at(t, holder, holder_slot, holder_last_lane) +
+                                                        Slot::kWeightOffset)[lane_idx];
             }
             if (lane_idx < kNumTopk) args.combined_topk_weights[static_cast<int64_t>(t) * kNumTopk + lane_idx] = weight;
         }

@@ -1,0 +1,73 @@
+"""Buffer sizes no larger than DeepEP V2's (v2-parity.md item 16): `get_buffer_size_hint`, and the
+buffer a constructor without `num_bytes` allocates, against V2's own formula (restated here from its
+`get_buffer_size_hint`) plus our fixed workspace, for direct mode with and without multiple
+reduction, BF16 and FP8, EP2 to EP64; `use_fp8_dispatch` changes the size."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+import deep_ep
+from deep_ep import planner
+from deep_ep.records import BUFFER_ALIGNMENT_BYTES, WORKSPACE_BYTES
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def v2_hint(num_ranks: int, num_tokens: int, hidden: int, num_topk: int, fp8: bool, multiple_reduction: bool) -> int:
+    """DeepEP V2's hint for direct mode with every rank on NVLink: its token records, every field
+    16-byte aligned (K = 0 counts as 32 lanes, FP8 as one 4-byte scale per 32 elements)."""
+    num_topk = num_topk or 32
+    scale_bytes = 4 * -(-hidden // 32) if fp8 else 0
+    dispatch_token = _align(hidden * (1 if fp8 else 2), 16) + _align(scale_bytes, 16)
+    dispatch_token += _align(num_topk * 8 + (1 + num_topk) * 4, 16)
+    combine_token = _align(hidden * 2, 16) + _align(num_topk * 8, 16)
+    dispatch = num_ranks * num_tokens * dispatch_token
+    combine = (min(num_ranks, num_topk) if multiple_reduction else num_topk) * num_tokens * combine_token
+    return _align(max(dispatch, combine), BUFFER_ALIGNMENT_BYTES)
+
+
+SHAPES = list(
+    itertools.product(
+        (2, 3, 4, 8, 16, 32, 64),  # ranks
+        (1, 128, 4096),  # tokens per rank
+        (2048, 4096, 7168),  # hidden
+        (0, 1, 6, 8, 9, 32),  # top-k
+        (False, True),  # FP8
+        (False, True),  # multiple reduction
+    )
+)
+
+
+def test_every_hint_is_at_most_v2s_plus_our_workspace() -> None:
+    worst = 0.0
+    for num_ranks, num_tokens, hidden, num_topk, fp8, multiple in SHAPES:
+        ours = planner.buffer_size_hint(num_ranks, num_tokens, hidden, num_topk, fp8, False, multiple)
+        theirs = v2_hint(num_ranks, num_tokens, hidden, num_topk, fp8, multiple)
+        shape = (num_ranks, num_tokens, hidden, num_topk, fp8, multiple)
+        assert ours <= _align(theirs + WORKSPACE_BYTES, BUFFER_ALIGNMENT_BYTES), (shape, ours, theirs)
+        worst = max(worst, ours / _align(theirs + WORKSPACE_BYTES, BUFFER_ALIGNMENT_BYTES))
+    print(f"\n{len(SHAPES)} shapes: our hint is at most {worst:.3f}x V2's plus the workspace")
+
+
+@pytest.mark.parametrize("num_ranks", [2, 8, 64])
+def test_fp8_dispatch_makes_the_buffer_smaller_where_the_records_dominate(num_ranks: int) -> None:
+    bf16 = planner.buffer_size_hint(num_ranks, 4096, 7168, 8, False, False, True)
+    fp8 = planner.buffer_size_hint(num_ranks, 4096, 7168, 8, True, False, True)
+    # Up to K ranks the combine's BF16 rows (one per holder) need as much as BF16 records
+    assert fp8 < bf16 if num_ranks > 8 else fp8 <= bf16
+
+
+def test_the_buffer_allocates_the_hint(group: dist.ProcessGroup) -> None:
+    for fp8, multiple in itertools.product((False, True), repeat=2):
+        buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=512, hidden=7168, num_topk=8,
+                                       use_fp8_dispatch=fp8, allow_multiple_reduction=multiple,
+                                       allow_hybrid_mode=False, explicitly_destroy=True)  # fmt: skip
+        hint = deep_ep.ElasticBuffer.get_buffer_size_hint(group, 512, 7168, 8, fp8, False, multiple)
+        assert buffer.num_bytes == hint <= v2_hint(group.size(), 512, 7168, 8, fp8, multiple) + WORKSPACE_BYTES
+        buffer.destroy()
