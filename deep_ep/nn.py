@@ -293,6 +293,9 @@ def dispatch(
     Returns:
         result: a `DispatchOutput` `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`, see there.
     """
+    if isinstance(x, torch.Tensor) and x.dtype != torch.bfloat16:
+        # The facade moves any dtype as bytes; the backward combines in BF16
+        raise TypeError(f"dispatch: `x` must have dtype torch.bfloat16 (its gradient is a BF16 combine), got {x.dtype}")
     kwargs = dict(
         num_experts=num_experts,
         num_max_tokens_per_rank=num_max_tokens_per_rank,

@@ -113,7 +113,7 @@ def test_moe_layer_argument_errors(buffer: deep_ep.ElasticBuffer) -> None:
         epnn.ExpertParallelMoE(buffer, 64, 4, 2, experts, do_cpu_sync=False)
     with pytest.raises(TypeError, match=r"`experts` must be an nn\.ModuleList or a callable"):
         epnn.ExpertParallelMoE(buffer, 64, 4, 2, 3)  # type: ignore[arg-type]
-    # The facade's own checks still apply inside the autograd functions
+    # The autograd dispatch takes BF16 only (the facade takes any dtype as bytes)
     x = torch.randn((4, 64)).requires_grad_()
     with pytest.raises(TypeError, match=r"`x` must have dtype torch\.bfloat16"):
         epnn.dispatch(buffer, x, torch.zeros((4, 1), dtype=torch.int64), num_experts=4)
