@@ -160,7 +160,8 @@ class ElasticBuffer:
             allow_multiple_reduction: in expand-mode combine, reduce each rank's lanes before sending.
             prefer_overlap_with_compute: prefer fewer SMs.
             sl_idx: V2's RDMA service level (accepted, unused: there is no RDMA path yet).
-            num_allocated_qps: RDMA queue pairs to allocate (`0`: automatic).
+            num_allocated_qps: RDMA queue pairs to allocate (`0`: V2's default, 129 with hybrid mode
+                allowed, 65 on a ConnectX MT4131 NIC, else 17).
             num_cpu_timeout_secs: the deadline of host-side waits.
             num_gpu_timeout_secs: the deadline of device-side waits.
             explicitly_destroy: require an explicit `destroy()` (otherwise the destructor releases).
@@ -220,7 +221,7 @@ class ElasticBuffer:
                 f"{op}: `num_bytes` must be a multiple of {BUFFER_ALIGNMENT_BYTES} (2 MiB), got {num_bytes}"
             )
         if num_allocated_qps == 0:
-            num_allocated_qps = 65 if flags["allow_hybrid_mode"] else 17
+            num_allocated_qps = planner.default_num_allocated_qps(flags["allow_hybrid_mode"])
 
         self.group = group
         self.rank_idx = group.rank()
@@ -524,10 +525,10 @@ class ElasticBuffer:
             num_sms: the SM count of the call.
 
         Returns:
-            num_qps: `num_sms * 16 + 1` in hybrid mode across domains, else `min(num_sms, 9)`.
+            num_qps: `num_sms * 16 + 1` whenever hybrid mode is allowed (as V2, even inside one
+                domain), else `min(num_sms, 9)`.
         """
-        use_hybrid = self.allow_hybrid_mode and self.num_scaleout_ranks > 1
-        return min(planner.theoretical_num_qps(num_sms, use_hybrid), self.num_allocated_qps)
+        return min(planner.theoretical_num_qps(num_sms, self.allow_hybrid_mode), self.num_allocated_qps)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """Return `(num_rdma_ranks, num_nvlink_ranks)`: the group's hosts and the ranks on each."""

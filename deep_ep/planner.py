@@ -295,6 +295,33 @@ def pick_num_sms(shape: MoEShape, flows: Traffic, hardware: Hardware, prefer_ove
     return min(num_sms, num_device_sms)
 
 
+# Where the RDMA devices describe themselves (`hca_type`, e.g. "MT4131")
+INFINIBAND_SYSFS = "/sys/class/infiniband"
+
+
+def has_fast_rdma_atomics_nic(sysfs: str = INFINIBAND_SYSFS) -> bool:
+    """Whether an RDMA device here is a ConnectX of CA type MT4131, whose fast RDMA atomics let
+    DeepEP V2 allocate fewer queue pairs in hybrid mode."""
+    import glob
+
+    for path in glob.glob(f"{sysfs}/*/hca_type"):
+        try:
+            with open(path) as f:
+                if f.read().strip() == "MT4131":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def default_num_allocated_qps(allow_hybrid_mode: bool, sysfs: str = INFINIBAND_SYSFS) -> int:
+    """DeepEP V2's default `num_allocated_qps`: 129 with hybrid mode allowed (65 on an MT4131 NIC),
+    else 17."""
+    if not allow_hybrid_mode:
+        return 17
+    return 65 if has_fast_rdma_atomics_nic(sysfs) else 129
+
+
 def theoretical_num_qps(num_sms: int, use_hybrid: bool) -> int:
     """RDMA queue pairs for `num_sms` SMs (V2's rule): one per channel and peer plus one for counts
     in hybrid mode (`16 num_sms + 1`), else `min(num_sms, 9)`."""

@@ -103,3 +103,22 @@ def test_without_cpu_sync_the_per_expert_list_is_empty_and_the_handle_has_v2s_fi
         assert len(synced) == 4 and sum(synced) > 0 and fresh == []
         assert before_sort is None and sorted_ is None
         assert physical == module_physical == (1, 2)
+
+
+def test_queue_pairs_follow_v2s_defaults(group: dist.ProcessGroup, tmp_path) -> None:
+    from deep_ep import planner
+
+    direct = deep_ep.ElasticBuffer(group, None, 0, 16, 256, 4, allow_hybrid_mode=False, backend="reference")
+    assert direct.num_allocated_qps == 17 and direct.get_theoretical_num_qps(24) == 9
+    hybrid = deep_ep.ElasticBuffer(group, None, 0, 16, 256, 4, backend="reference")
+    assert hybrid.num_allocated_qps == planner.default_num_allocated_qps(True) in (65, 129)
+    assert hybrid.get_theoretical_num_qps(3) == 3 * 16 + 1  # V2's hybrid rule, even inside one domain
+    assert hybrid.get_theoretical_num_qps(24) == hybrid.num_allocated_qps  # 24 * 16 + 1, capped
+    # A ConnectX of CA type MT4131 (fast RDMA atomics) needs fewer: V2 allocates 65
+    for name, hca_type in (("mlx5_0", "MT4129"), ("mlx5_1", "MT4131")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "hca_type").write_text(hca_type + "\n")
+    assert planner.default_num_allocated_qps(True, str(tmp_path)) == 65
+    (tmp_path / "mlx5_1" / "hca_type").write_text("MT4129\n")
+    assert planner.default_num_allocated_qps(True, str(tmp_path)) == 129
+    assert planner.default_num_allocated_qps(False, str(tmp_path)) == 17
