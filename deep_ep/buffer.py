@@ -23,7 +23,7 @@ from deep_ep.backends import registry
 from deep_ep.backends.base import BufferConfig, CombineRequest, DispatchRequest, EPBackend, loopback_world_of
 from deep_ep.domains import get_logical_domain_size, get_physical_domain_size, group_device
 from deep_ep.errors import EPError, EPTimeoutError
-from deep_ep.event import CommStreamScope, EventHandle, EventOverlap
+from deep_ep.event import CommStreamScope, EventHandle, EventOverlap, shared_comm_stream
 from deep_ep.handle import BufferLifetime, BufferOrigin, EPHandle
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.validation import (
@@ -276,7 +276,7 @@ class ElasticBuffer:
         if self.device.type == "cuda":
             # Virtual ranks must never share a stream (torch's pool hands out 32 per priority, round robin)
             self._comm_stream = (
-                world.comm_stream(self.rank_idx) if world is not None else torch.cuda.Stream(self.device)
+                world.comm_stream(self.rank_idx) if world is not None else shared_comm_stream(self.device)
             )
         # Handles share it: one that outlives this buffer can say why it works nowhere
         self._lifetime = BufferLifetime()
@@ -365,7 +365,6 @@ class ElasticBuffer:
         op: str,
         run: Callable[[], tuple[Any, tuple, tuple]],
         previous_event: EventHandle | None,
-        previous_event_before_epilogue: EventHandle | None,
         async_with_compute_stream: Any,
         allocate_on_comm_stream: Any,
     ) -> tuple[Any, EventOverlap]:
@@ -377,7 +376,6 @@ class ElasticBuffer:
         scope = CommStreamScope(
             self._comm_stream,
             previous_event,
-            previous_event_before_epilogue,
             as_bool(op, "async_with_compute_stream", async_with_compute_stream),
             as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream),
         )
@@ -619,7 +617,8 @@ class ElasticBuffer:
             num_sms: SMs to use (`0`: `get_theoretical_num_sms`).
             num_qps: queue pairs to use (`0`: `get_theoretical_num_qps`).
             previous_event: an event the communication waits for (needs `allocate_on_comm_stream`).
-            previous_event_before_epilogue: an event the communication also waits for (V2 compatibility).
+            previous_event_before_epilogue: an event the epilogue waits for (the writes of the outputs
+                after the communication), not the communication itself (V2's rule).
             async_with_compute_stream: do not make the current stream wait; use the returned event.
             allocate_on_comm_stream: outputs belong to the communication stream's memory pool.
             handle: a cached handle of an earlier dispatch (then `topk_idx` must be `None`).
@@ -716,7 +715,7 @@ class ElasticBuffer:
             return (result, out_handle), inputs, outputs
 
         (result, handle), event = self._communicate(
-            "dispatch", run, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+            "dispatch", run, previous_event, async_with_compute_stream,
             allocate_on_comm_stream,
         )  # fmt: skip
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
@@ -746,7 +745,8 @@ class ElasticBuffer:
             num_sms: SMs to use (`0`: the handle's).
             num_qps: queue pairs to use (`0`: `get_theoretical_num_qps`).
             previous_event: an event the communication waits for (needs `allocate_on_comm_stream`).
-            previous_event_before_epilogue: an event the communication also waits for (V2 compatibility).
+            previous_event_before_epilogue: an event the epilogue waits for (the writes of the outputs
+                after the communication), not the communication itself (V2's rule).
             async_with_compute_stream: do not make the current stream wait; use the returned event.
             allocate_on_comm_stream: outputs belong to the communication stream's memory pool.
 
@@ -784,7 +784,7 @@ class ElasticBuffer:
             return result, inputs, (result.combined_x, result.combined_topk_weights)
 
         result, event = self._communicate(
-            "combine", run, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+            "combine", run, previous_event, async_with_compute_stream,
             allocate_on_comm_stream,
         )  # fmt: skip
         return result.combined_x, result.combined_topk_weights, event

@@ -1,5 +1,6 @@
-"""Events and streams: `EventHandle` (one recorded CUDA event), `EventOverlap` (V2's overlap helper)
-and `CommStreamScope` (the stream choreography of one communication call).
+"""Events and streams: `EventHandle` (one recorded CUDA event), `EventOverlap` (V2's overlap helper),
+`shared_comm_stream` (the process's communication stream) and `CommStreamScope` (the stream
+choreography of one communication call).
 
 On a machine or process group without CUDA, an `EventHandle` holds no event and behaves as an event
 that has already completed, so the same calling code runs on CPU.
@@ -7,10 +8,34 @@ that has already completed, so the same calling code runs on CPU.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+_comm_streams: dict[int, torch.cuda.Stream] = {}
+_comm_streams_lock = threading.Lock()
+
+
+def shared_comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The communication stream of `device` for every buffer of this process: one high-priority
+    stream, as DeepEP V2 has (buffers' operations are ordered on it, and run ahead of compute
+    kernels queued at default priority)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _comm_streams_lock:
+        stream = _comm_streams.get(index)
+        if stream is None:
+            # torch maps a priority past the device's range to its highest
+            stream = _comm_streams[index] = torch.cuda.Stream(torch.device("cuda", index), priority=-100)
+    return stream
+
+
+def avoid_record_stream() -> bool:
+    """`EP_AVOID_RECORD_STREAM=1` (DeepEP V2's switch): an asynchronous call does not `record_stream`
+    its inputs on the communication stream; the caller keeps them alive until it waited for the event."""
+    return os.environ.get("EP_AVOID_RECORD_STREAM", "0") not in ("", "0")
 
 
 class EventHandle:
@@ -131,7 +156,6 @@ class CommStreamScope:
         self,
         comm_stream: torch.cuda.Stream | None,
         previous_event: EventHandle | None,
-        previous_event_before_epilogue: EventHandle | None,
         async_with_compute_stream: bool,
         allocate_on_comm_stream: bool,
     ) -> None:
@@ -145,8 +169,6 @@ class CommStreamScope:
                 previous_event.stream_wait(comm_stream)
             else:
                 comm_stream.wait_stream(self.compute_stream)
-            if previous_event_before_epilogue is not None:
-                previous_event_before_epilogue.stream_wait(comm_stream)
             self._context = torch.cuda.stream(comm_stream)
             self._context.__enter__()
 
@@ -157,11 +179,17 @@ class CommStreamScope:
         event = EventHandle(self.comm_stream)
         self._context.__exit__(None, None, None)
         self._context = None
-        tensors = [t for t in (*inputs, *outputs) if isinstance(t, torch.Tensor) and t.is_cuda]
         if self.async_with_compute_stream:
-            for t in tensors:
-                t.record_stream(self.compute_stream)
-                t.record_stream(self.comm_stream)
+            # Outputs come from the comm stream's pool: freed on the compute stream, they must wait
+            # for its work there whatever `EP_AVOID_RECORD_STREAM` says (V2 allocates them there)
+            for t in outputs:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self.compute_stream)
+                    t.record_stream(self.comm_stream)
+            if not avoid_record_stream():
+                for t in inputs:
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        t.record_stream(self.comm_stream)
         else:
             self.compute_stream.wait_stream(self.comm_stream)
             if not self.allocate_on_comm_stream:

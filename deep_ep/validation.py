@@ -442,6 +442,7 @@ def validate_dispatch(
         deterministic=ctx.deterministic,
         allow_multiple_reduction=ctx.allow_multiple_reduction,
         cached_handle=handle,
+        previous_event_before_epilogue=previous_event_before_epilogue,
     )
 
 
@@ -511,4 +512,5 @@ def validate_combine(
         num_sms=num_sms,
         num_qps=num_qps,
         allow_multiple_reduction=ctx.allow_multiple_reduction,
+        previous_event_before_epilogue=previous_event_before_epilogue,
     )

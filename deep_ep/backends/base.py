@@ -35,6 +35,7 @@ from deep_ep.host_reads import host_list
 from deep_ep.utils.math import align
 
 if TYPE_CHECKING:
+    from deep_ep.event import EventHandle
     from deep_ep.handle import EPHandle
 
 
@@ -136,6 +137,8 @@ class DispatchRequest:
         masked_ranks: the ranks masked on this buffer (`ElasticBuffer.mask_ranks`): a fresh dispatch
             sends nothing to them (their experts' lanes count as `-1`), and a masked rank sends
             nothing itself. Empty without rank masking.
+        previous_event_before_epilogue: an event the epilogue (the writes of the outputs after the
+            communication) waits for, not the communication (`wait_before_epilogue`).
     """
 
     x: torch.Tensor
@@ -157,6 +160,13 @@ class DispatchRequest:
     allow_multiple_reduction: bool
     cached_handle: EPHandle | None
     masked_ranks: frozenset[int] = frozenset()
+    previous_event_before_epilogue: EventHandle | None = None
+
+    def wait_before_epilogue(self) -> None:
+        """Make the current stream wait for `previous_event_before_epilogue` (a no-op without one):
+        called by the backend between its communication and its epilogue (DeepEP V2's rule)."""
+        if self.previous_event_before_epilogue is not None:
+            self.previous_event_before_epilogue.current_stream_wait()
 
     @property
     def num_tokens(self) -> int:
@@ -318,11 +328,12 @@ class CombineRequest:
         allow_multiple_reduction: the expand-mode rule. `True`: each holder rank first sums its local
             lanes' rows (FP32, lanes ascending) and rounds to BF16, one row per (token, holder) travels.
             `False`: every lane's row travels and only the home rank sums.
+        previous_event_before_epilogue: an event the reduction into the outputs waits for.
 
-    Result (`CombineResult`): `combined_x[t]` = `+0.0` (FP32), plus `fp32(contribution_d(t))` for the
-    holder ranks `d` of token `t` in ascending order (expand without multiple reduction: plus each
-    lane's row, holder ranks ascending, lanes ascending inside a rank), plus `fp32(bias_0[t])`, plus
-    `fp32(bias_1[t])`, then one rounding to BF16.
+    Result (`CombineResult`), DeepEP V2's order: `combined_x[t]` = `+0.0` (FP32), plus `fp32(bias_0[t])`,
+    plus `fp32(bias_1[t])`, plus `fp32(contribution_d(t))` for the holder ranks `d` of token `t` in
+    ascending order of their last top-k lane (expand without multiple reduction: each valid lane's
+    row, lanes ascending), then one rounding to BF16.
     """
 
     x: torch.Tensor
@@ -333,6 +344,12 @@ class CombineRequest:
     num_sms: int
     num_qps: int
     allow_multiple_reduction: bool
+    previous_event_before_epilogue: EventHandle | None = None
+
+    def wait_before_epilogue(self) -> None:
+        """As `DispatchRequest.wait_before_epilogue`: before the reduction into the outputs."""
+        if self.previous_event_before_epilogue is not None:
+            self.previous_event_before_epilogue.current_stream_wait()
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ class NvlinkBackend(EPBackend):
             cached=None if handle is None else handle.backend_state,
             cached_num_recv_tokens_per_expert=None if handle is None else handle.num_unaligned_recv_tokens_per_expert,
             cached_recv_src_metadata=None if handle is None else handle.recv_src_metadata,
+            before_epilogue=request.wait_before_epilogue,
         )
         state = out["state"]
         if handle is None:
@@ -123,6 +124,7 @@ class NvlinkBackend(EPBackend):
             num_sms=request.num_sms,
             do_expand=handle.do_expand,
             allow_multiple_reduction=request.allow_multiple_reduction,
+            before_epilogue=request.wait_before_epilogue,
         )
         return CombineResult(combined_x, combined_w)
 

@@ -9,6 +9,8 @@ with no tokens, because it posts this rank's window credit (credits.cuh).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deep_ep.jit import Opaque
@@ -36,6 +38,7 @@ def run_combine(
     num_sms: int,
     do_expand: bool,
     allow_multiple_reduction: bool,
+    before_epilogue: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one combine of `runtime`'s buffer on `stream`.
 
@@ -48,6 +51,7 @@ def run_combine(
         topk_idx: the dispatching rank's `[num_tokens, num_topk]` int64 routing (from the handle).
         recv_src_metadata: `[meta rows, 2 + num_topk]` int32 (from the handle).
         psum_num_recv_tokens_per_rank: `[num_ranks]` int32 (from the handle).
+        before_epilogue: called right before the epilogue is launched (it may make `stream` wait).
 
     Returns:
         combined_x: `[num_tokens, hidden]` BF16.
@@ -102,6 +106,8 @@ def run_combine(
             num_experts_per_rank=num_local_experts, rank=runtime.rank, arrival_block=arrival_slots, op_hash=op_hash,
             error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
         grid = runtime.grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
+        if before_epilogue is not None:
+            before_epilogue()
         epilogue_kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream,
                                args=(Opaque(bytes(epilogue_args)),), pdl=True)  # fmt: skip
     except BaseException as error:

@@ -11,6 +11,7 @@ whose shape is known allocated, before the first launch (see `deep_ep.backends.k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,7 @@ def run_dispatch(
     cached: NvlinkDispatchState | None,
     cached_num_recv_tokens_per_expert: torch.Tensor | None = None,
     cached_recv_src_metadata: torch.Tensor | None = None,
+    before_epilogue: Callable[[], None] | None = None,
 ) -> dict:
     """Run one dispatch of `runtime`'s buffer on `stream`; returns the output tensors and the new handle state.
 
@@ -94,6 +96,7 @@ def run_dispatch(
         topk_weights: `[num_tokens, num_topk]` float32, or None.
         cumulative_stats: `[num_local_experts]` int32, incremented in place, or None.
         cached: the state of a previous dispatch with the same routing, or None.
+        before_epilogue: called right before the epilogue is launched (it may make `stream` wait).
 
     Returns:
         A dict of `recv_x`, `recv_scales`, `recv_topk_idx`, `recv_topk_weights`,
@@ -208,6 +211,8 @@ def run_dispatch(
             # The epilogue runs next to the dispatch kernel unless a host wait (CPU sync) came
             # between; in an exclusive share its SMs count as busy anyway (it may still be sending)
             num_busy_sms = 0 if (fresh and do_cpu_sync and not runtime.share.exclusive) else num_sms
+            if before_epilogue is not None:
+                before_epilogue()
             _launch_dispatch_epilogue(runtime, epilogue_kernel, stream, x, x_scales, state, outputs,
                                       recv_src_metadata, num_recv_per_expert, expand_scratch, cached,
                                       num_max_tokens_per_rank, num_local_experts, expert_alignment,

@@ -244,6 +244,7 @@ class ReferenceBackend(EPBackend):
         if req.cumulative_local_expert_recv_stats is not None:
             stats = req.cumulative_local_expert_recv_stats
             stats.add_(recv.counts.to(stats.dtype))
+        req.wait_before_epilogue()  # the outputs are written from here on
         return self._make_result(req, state, recv_x_bytes, recv_scales, recv_weights)
 
     def _make_result(
@@ -402,6 +403,7 @@ class ReferenceBackend(EPBackend):
         if weights is not None:
             parts.append(_to_bytes(weights))
         records = self._all_to_all(torch.cat(parts, dim=1), send_counts, recv_counts, "the combine data exchange")
+        request.wait_before_epilogue()  # the reduction into the outputs starts here
         unpacker = _Unpacker(records)
         back_rows = _from_bytes(unpacker.take(2 * hidden), torch.bfloat16, (hidden,))
         back_weights = None
