@@ -42,6 +42,8 @@ def _late_event_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict:
     kernels, reference = _buffers(group)
     x, topk_idx, weights, _ = _inputs(rank, group, seed)
     expected = reference.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=NUM_EXPERTS)
+    kernels.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=NUM_EXPERTS)  # compiles, loads
+    torch.cuda.current_stream().synchronize()
     kwargs = {}
     late = torch.cuda.Stream()
     if rank == 0:  # an event that completes only after a long kernel on another stream
