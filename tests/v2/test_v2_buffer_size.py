@@ -32,6 +32,22 @@ def v2_hint(num_ranks: int, num_tokens: int, hidden: int, num_topk: int, fp8: bo
     return _align(max(dispatch, combine), BUFFER_ALIGNMENT_BYTES)
 
 
+def v2_hybrid_hint(num_scaleup: int, num_scaleout: int, num_tokens: int, hidden: int, num_topk: int, fp8: bool,
+                   multiple_reduction: bool) -> int:  # fmt: skip
+    """DeepEP V2's hint in hybrid mode (`num_scaleup` ranks per node, `num_scaleout` nodes): the
+    receive, send and forward buffers of both phases (v2-parity.md item 16)."""
+    num_topk = num_topk or 32
+    scale_bytes = 4 * -(-hidden // 32) if fp8 else 0
+    dispatch_token = _align(hidden * (1 if fp8 else 2), 16) + _align(scale_bytes, 16)
+    dispatch_token += _align(num_topk * 8 + (1 + num_topk) * 4, 16)
+    combine_token = _align(hidden * 2, 16) + _align(num_topk * 8, 16)
+    t, su, so, k, amr = num_tokens, num_scaleup, num_scaleout, num_topk, multiple_reduction
+    dispatch = (su * so * t + t + so * (t + 1280)) * dispatch_token
+    combine = ((min(su, k) if amr else k) * so * t + (min(so, k) if amr else k) * t
+               + (1 if amr else k) * so * (t + 1280)) * combine_token  # fmt: skip
+    return _align(max(dispatch, combine), BUFFER_ALIGNMENT_BYTES)
+
+
 SHAPES = list(
     itertools.product(
         (2, 3, 4, 8, 16, 32, 64),  # ranks
@@ -71,3 +87,18 @@ def test_the_buffer_allocates_the_hint(group: dist.ProcessGroup) -> None:
         hint = deep_ep.ElasticBuffer.get_buffer_size_hint(group, 512, 7168, 8, fp8, False, multiple)
         assert buffer.num_bytes == hint <= v2_hint(group.size(), 512, 7168, 8, fp8, multiple) + WORKSPACE_BYTES
         buffer.destroy()
+
+
+def test_the_hybrid_bound_is_at_most_v2s_hybrid_hint_up_to_ep2048() -> None:
+    # Hybrid mode is not built yet; the hint already reserves its forward slots (one source block per node)
+    worst = 0.0
+    for num_scaleup, num_scaleout, num_tokens, num_topk, fp8, multiple in itertools.product(
+        (2, 4, 8, 64), (2, 4, 8, 32), (128, 4096), (0, 1, 8, 9, 32), (False, True), (False, True)
+    ):
+        ours = planner.buffer_size_hint(num_scaleup * num_scaleout, num_tokens, 7168, num_topk, fp8, True, multiple,
+                                        num_ranks_per_domain=num_scaleup)  # fmt: skip
+        theirs = v2_hybrid_hint(num_scaleup, num_scaleout, num_tokens, 7168, num_topk, fp8, multiple)
+        limit = _align(theirs + WORKSPACE_BYTES, BUFFER_ALIGNMENT_BYTES)
+        assert ours <= limit, (num_scaleup, num_scaleout, num_tokens, num_topk, fp8, multiple, ours, theirs)
+        worst = max(worst, ours / limit)
+    print(f"\nhybrid, EP4 to EP2048: our hint is at most {worst:.3f}x V2's hybrid hint plus the workspace")
