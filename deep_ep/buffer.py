@@ -21,7 +21,7 @@ import torch.distributed as dist
 from deep_ep import planner
 from deep_ep.backends import registry
 from deep_ep.backends.base import BufferConfig, CombineRequest, DispatchRequest, EPBackend, loopback_world_of
-from deep_ep.domains import get_logical_domain_size, get_physical_domain_size, group_device
+from deep_ep.domains import get_physical_domain_size, group_device, logical_domains
 from deep_ep.errors import EPError, EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap, shared_comm_stream
 from deep_ep.handle import BufferLifetime, BufferOrigin, EPHandle
@@ -250,6 +250,13 @@ class ElasticBuffer:
         # on one window, which every peer would then read as a sequence that diverged
         self._in_use = threading.Lock()
         self._user = ""
+        # Physical and logical domains (the host exchange is collective on a real group)
+        self.num_rdma_ranks, self.num_nvlink_ranks = get_physical_domain_size(group)
+        self.num_scaleout_ranks, self.num_scaleup_ranks = logical_domains(
+            (self.num_rdma_ranks, self.num_nvlink_ranks), self.num_ranks, self.allow_hybrid_mode
+        )
+        self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
+        self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         config = BufferConfig(
             rank_idx=self.rank_idx,
             num_ranks=self.num_ranks,
@@ -267,6 +274,7 @@ class ElasticBuffer:
             num_cpu_timeout_secs=num_cpu_timeout_secs,
             num_gpu_timeout_secs=num_gpu_timeout_secs,
             enable_rank_masking=self.enable_rank_masking,
+            num_scaleup_ranks=self.num_scaleup_ranks,
         )
         self._failure: str | None = None
         self._theoretical_num_sms: dict[tuple[int, int], int] = {}
@@ -303,12 +311,6 @@ class ElasticBuffer:
             supports_graph_capture=backend_class.supports_graph_capture,
             origin=self._origin,
         )
-
-        # Logical and physical domains
-        self.num_scaleout_ranks, self.num_scaleup_ranks = get_logical_domain_size(group, self.allow_hybrid_mode)
-        self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
-        self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
-        self.num_rdma_ranks, self.num_nvlink_ranks = get_physical_domain_size(group)
 
         # Without `explicitly_destroy`, the backend is released with the buffer (no communication)
         if not self.explicitly_destroy:
@@ -533,7 +535,8 @@ class ElasticBuffer:
         return self.num_rdma_ranks, self.num_nvlink_ranks
 
     def get_logical_domain_size(self) -> tuple[int, int]:
-        """Return `(num_scaleout_ranks, num_scaleup_ranks)`: `(1, num_ranks)` (hybrid mode is not built)."""
+        """Return `(num_scaleout_ranks, num_scaleup_ranks)`: one scale-up domain per host with hybrid mode
+        allowed across hosts, else `(1, num_ranks)`."""
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     # Streams and events

@@ -1,9 +1,10 @@
 """The domains of a process group, as DeepEP V2's module-level helpers report them.
 
 Physical: `(num_rdma_ranks, num_nvlink_ranks)`, the hosts of the group and the ranks on each (one
-NVLink domain per host). Logical: `(num_scaleout_ranks, num_scaleup_ranks)`, the domains the kernels
-run in; hybrid mode (one scale-up domain per host) is not built yet, so every group is one logical
-scale-up domain today.
+NVLink domain per host; a `deep_ep.loopback` world's virtual nodes count as hosts). Logical:
+`(num_scaleout_ranks, num_scaleup_ranks)`: with hybrid mode allowed and more than one host, one
+scale-up domain per host (the reference backend then combines in hybrid mode's two stages; the
+kernels' hybrid mode is not built yet), else one domain of the whole group.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def get_physical_domain_size(group: dist.ProcessGroup) -> tuple[int, int]:
     `deep_ep.loopback` world share one host. Raises `ValueError` when the hosts hold different
     numbers of ranks (V2 needs equal NVLink domains too).
     """
-    if loopback_world_of(group) is not None:
-        return 1, group.size()
+    world = loopback_world_of(group)
+    if world is not None:
+        return group.size() // world.num_ranks_per_node, world.num_ranks_per_node
     name = socket.gethostname().encode()[:_HOST_NAME_BYTES]
     row = torch.zeros(_HOST_NAME_BYTES, dtype=torch.uint8)
     if name:
@@ -62,10 +64,17 @@ def get_physical_domain_size(group: dist.ProcessGroup) -> tuple[int, int]:
 
 
 def get_logical_domain_size(group: dist.ProcessGroup, allow_hybrid_mode: bool = True) -> tuple[int, int]:
-    """`(num_scaleout_ranks, num_scaleup_ranks)` of `group`: `(1, group.size())`, direct mode.
+    """`(num_scaleout_ranks, num_scaleup_ranks)` of `group`: its physical domains when hybrid mode is
+    allowed and the group spans more than one host, else `(1, group.size())` (direct mode).
 
-    `allow_hybrid_mode` is V2's (hybrid mode would give one scale-up domain per host); it is not
-    built yet, so it changes nothing. Needs no communication.
+    Collective on a real group spanning hosts (`get_physical_domain_size`).
     """
-    del allow_hybrid_mode  # hybrid mode is not built: one logical domain
-    return 1, group.size()
+    return logical_domains(get_physical_domain_size(group), group.size(), allow_hybrid_mode)
+
+
+def logical_domains(physical: tuple[int, int], num_ranks: int, allow_hybrid_mode: bool) -> tuple[int, int]:
+    """The logical domains of a group of `num_ranks` ranks whose physical domains are `physical`."""
+    num_hosts, num_ranks_per_host = physical
+    if allow_hybrid_mode and num_hosts > 1:
+        return num_hosts, num_ranks_per_host
+    return 1, num_ranks

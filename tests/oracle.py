@@ -321,10 +321,13 @@ def expected_combine(
     bias: list[torch.Tensor],
     hidden: int,
     num_topk: int,
+    num_ranks_per_node: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Combine by brute force: per token, an FP32 loop in DeepEP V2's order (its `refs.combine`): from
     +0.0, the biases, then one partial per holder rank, holders by ascending last lane; without
-    multiple reduction in expand mode, every lane's row, lanes ascending.
+    multiple reduction in expand mode, every lane's row, lanes ascending. With `num_ranks_per_node`
+    (hybrid mode) the holder partials of each node are first summed the same way from +0.0 and rounded
+    to BF16, and the node partials are added by ascending last lane of each node.
 
     `combine_inputs[d]` holds rank `d`'s combine `x` and `topk_weights` (or None), both on the CPU.
     """
@@ -342,25 +345,38 @@ def expected_combine(
         if do_expand and not allow_multiple_reduction:
             for lane, d in valid:
                 acc = acc + combine_inputs[d]["x"][routing.expanded[d][(rank, token, lane)]].float()
+        staged = num_ranks_per_node is not None and not (do_expand and not allow_multiple_reduction)
+        node_acc: dict[int, torch.Tensor] = {}
+        node_last = {d // num_ranks_per_node: lane for lane, d in valid} if staged else {}
         for d in sorted(last_lane, key=last_lane.get):
             x_d = combine_inputs[d]["x"]
             w_d = combine_inputs[d]["topk_weights"]
             my_lanes = [lane for lane, holder in valid if holder == d]
+            partial = None
             if not do_expand:
                 row = routing.rows[d].index((rank, token))
-                acc = acc + x_d[row].float()
+                partial = x_d[row]
                 for lane in my_lanes:
                     if has_weights:
                         weights[token, lane] = w_d[row, lane]
+            else:
+                expanded = [routing.expanded[d][(rank, token, lane)] for lane in my_lanes]
+                if allow_multiple_reduction:
+                    summed = torch.zeros(hidden, dtype=torch.float32)
+                    for row in expanded:
+                        summed = summed + x_d[row].float()
+                    partial = summed.to(torch.bfloat16)
+                if has_weights:
+                    for lane, row in zip(my_lanes, expanded, strict=True):
+                        weights[token, lane] = w_d[row]
+            if partial is None:
                 continue
-            expanded = [routing.expanded[d][(rank, token, lane)] for lane in my_lanes]
-            if allow_multiple_reduction:
-                partial = torch.zeros(hidden, dtype=torch.float32)
-                for row in expanded:
-                    partial = partial + x_d[row].float()
-                acc = acc + partial.to(torch.bfloat16).float()
-            if has_weights:
-                for lane, row in zip(my_lanes, expanded, strict=True):
-                    weights[token, lane] = w_d[row]
+            if not staged:
+                acc = acc + partial.float()
+                continue
+            node = d // num_ranks_per_node
+            node_acc[node] = node_acc.get(node, torch.zeros(hidden, dtype=torch.float32)) + partial.float()
+        for node in sorted(node_acc, key=node_last.get):
+            acc = acc + node_acc[node].to(torch.bfloat16).float()
         out[token] = acc.to(torch.bfloat16)
     return out, weights

@@ -81,6 +81,8 @@ class BufferConfig:
         num_cpu_timeout_secs: the deadline of every host-side wait.
         num_gpu_timeout_secs: the deadline of every device-side wait.
         enable_rank_masking: whether dispatches honour masked ranks (`DispatchRequest.masked_ranks`).
+        num_scaleup_ranks: ranks per logical scale-up domain (consecutive ranks); fewer than
+            `num_ranks` in hybrid mode, whose combine reduces each domain's partials first (`0`: all).
     """
 
     rank_idx: int
@@ -99,6 +101,7 @@ class BufferConfig:
     num_cpu_timeout_secs: float
     num_gpu_timeout_secs: float
     enable_rank_masking: bool = False
+    num_scaleup_ranks: int = 0
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,9 @@ class LoopbackWorld:
         timeout_s: the deadline of host-side waits of the world (collectives, kernel loading, `run`).
         reserve_bytes: device memory kept in torch's caching allocator for each rank's streams
             (default: 40% of the free memory over the ranks, at most 4 GiB each; see the module notes).
+        num_ranks_per_node: virtual nodes of this many consecutive ranks (default: one node); the
+            buffers see them as hosts (`deep_ep.get_physical_domain_size`), so that hybrid mode's
+            contract runs on the reference backend (the kernels' transport across nodes is not built).
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class LoopbackWorld:
         guard_bytes: int = 0,
         timeout_s: float = 300.0,
         reserve_bytes: int | None = None,
+        num_ranks_per_node: int | None = None,
     ) -> None:
         from ..backends.kernels.layout import MAX_RANKS
 
@@ -104,6 +108,13 @@ class LoopbackWorld:
         if isinstance(guard_bytes, bool) or not isinstance(guard_bytes, int) or guard_bytes < 0:
             raise ValueError(f"LoopbackWorld: `guard_bytes` must be a non-negative int, got {guard_bytes!r}")
         self.num_ranks = num_ranks
+        self.num_ranks_per_node = num_ranks if num_ranks_per_node is None else num_ranks_per_node
+        if (isinstance(self.num_ranks_per_node, bool) or not isinstance(self.num_ranks_per_node, int)
+                or self.num_ranks_per_node < 1 or num_ranks % self.num_ranks_per_node != 0):  # fmt: skip
+            raise ValueError(
+                f"LoopbackWorld: `num_ranks_per_node` must be a positive int dividing num_ranks = {num_ranks}, "
+                f"got {num_ranks_per_node!r}"
+            )
         self.device = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():

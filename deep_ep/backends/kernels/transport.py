@@ -112,6 +112,9 @@ def choose_transport(group: dist.ProcessGroup) -> TransportChoice:
             return TransportChoice(None, f"the virtual ranks live on {world.device}, the kernels need a CUDA device")
         if num_ranks > MAX_RANKS:
             return TransportChoice(None, f"{num_ranks} virtual ranks, the kernels support at most {MAX_RANKS}")
+        if world.num_ranks_per_node < num_ranks:
+            return TransportChoice(None, f"{num_ranks // world.num_ranks_per_node} virtual nodes: the kernels' "
+                                         "transport across nodes (GIN) is not built yet")  # fmt: skip
         return TransportChoice("loopback", f"{num_ranks} virtual ranks of {world.device}")
     if not torch.cuda.is_available():
         return TransportChoice(None, "CUDA is not available")

@@ -434,12 +434,21 @@ class ReferenceBackend(EPBackend):
             offset += count
 
         # Reduce at home in DeepEP V2's order: from +0.0, bias 0, bias 1, then one partial per holder
-        # rank, holders by ascending last lane (per lane: every lane's row, lanes ascending); FP32
+        # rank, holders by ascending last lane (per lane: every lane's row, lanes ascending); FP32.
+        # Hybrid mode adds a stage: each scale-up domain's holder partials, in the same order, from
+        # +0.0 in FP32 and rounded to BF16, then the domain partials by ascending last lane
         acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
         for bias in (req.bias_0, req.bias_1):
             if bias is not None:
                 acc = acc + bias.float()
         token_idx = torch.arange(num_tokens, device=device)
+        num_scaleup = self.config.num_scaleup_ranks or self.num_ranks
+        staged = not per_lane and num_scaleup < self.num_ranks
+        domain_acc = None
+        if staged:
+            domain_acc = torch.zeros((num_tokens, self.num_ranks // num_scaleup, hidden), dtype=torch.float32,
+                                     device=device)  # fmt: skip
+        domain_of = torch.where(send.dst_rank >= 0, send.dst_rank // num_scaleup, -1)
         for lane in range(num_topk):
             dst = send.dst_rank[:, lane]
             if per_lane:
@@ -450,7 +459,16 @@ class ReferenceBackend(EPBackend):
                 last = (dst >= 0) & ~later.any(dim=1)
                 rows = torch.where(last, row_at[token_idx, dst.clamp(min=0)], -1)
             tokens = (rows >= 0).nonzero()[:, 0]
-            acc[tokens] = acc[tokens] + back_rows[rows[tokens]].float()
+            if domain_acc is None:
+                acc[tokens] = acc[tokens] + back_rows[rows[tokens]].float()
+                continue
+            domain = domain_of[tokens, lane]
+            domain_acc[tokens, domain] = domain_acc[tokens, domain] + back_rows[rows[tokens]].float()
+            # A domain's partial is added at its last lane
+            domain_done = (dst >= 0) & ~(domain_of[:, lane + 1 :] == domain_of[:, lane].unsqueeze(1)).any(dim=1)
+            done = domain_done.nonzero()[:, 0]
+            partial = domain_acc[done, domain_of[done, lane]].to(torch.bfloat16)
+            acc[done] = acc[done] + partial.float()
         return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=combined_weights)
 
     def announce(self, op: str, error: BaseException | None) -> None:
