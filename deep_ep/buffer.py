@@ -28,6 +28,8 @@ from deep_ep.handle import BufferLifetime, BufferOrigin, EPHandle
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.validation import (
     MAX_RANKS,
+    MAX_SCALEOUT_RANKS,
+    MAX_SCALEUP_RANKS,
     MAX_TOPK,
     ValidationContext,
     as_bool,
@@ -255,6 +257,14 @@ class ElasticBuffer:
         self.num_scaleout_ranks, self.num_scaleup_ranks = logical_domains(
             (self.num_rdma_ranks, self.num_nvlink_ranks), self.num_ranks, self.allow_hybrid_mode
         )
+        if self.num_scaleout_ranks > 1 and (
+            self.num_scaleout_ranks > MAX_SCALEOUT_RANKS or self.num_scaleup_ranks > MAX_SCALEUP_RANKS
+        ):
+            raise ValueError(
+                f"{op}: hybrid mode needs <= {MAX_SCALEOUT_RANKS} nodes of <= {MAX_SCALEUP_RANKS} ranks (DeepEP V2's "
+                f"limits), got {self.num_scaleout_ranks} nodes of {self.num_scaleup_ranks} ranks; pass "
+                "allow_hybrid_mode=False for direct mode"
+            )
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         config = BufferConfig(

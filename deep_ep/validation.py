@@ -32,6 +32,8 @@ from deep_ep.records import hidden_row_error
 
 # DeepEP V2's limits (its `elastic.py` asserts them): top-k lanes, experts, experts per rank, ranks
 MAX_TOPK, MAX_EXPERTS, MAX_EXPERTS_PER_RANK, MAX_RANKS = 32, 2048, 256, 1024
+# ... and in hybrid mode: scale-out domains (nodes), scale-up ranks per domain
+MAX_SCALEOUT_RANKS, MAX_SCALEUP_RANKS = 32, 64
 
 
 @dataclass(frozen=True)

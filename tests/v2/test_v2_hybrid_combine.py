@@ -78,3 +78,19 @@ def test_the_module_level_domain_sizes_see_virtual_nodes() -> None:
     assert world.run(sizes) == [((2, 2), (2, 2), (1, 4))] * NUM_RANKS
     with pytest.raises(ValueError, match="`num_ranks_per_node` must be a positive int dividing num_ranks = 4"):
         LoopbackWorld(NUM_RANKS, device="cpu", num_ranks_per_node=3)
+
+
+def test_hybrid_mode_past_v2s_node_limit_is_refused() -> None:
+    def make(rank: int, group: dist.ProcessGroup, hybrid: bool) -> str:
+        try:
+            buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=8, hidden=64, num_topk=2,
+                                           allow_hybrid_mode=hybrid, backend="reference", explicitly_destroy=True)  # fmt: skip
+        except ValueError as error:
+            return str(error)
+        buffer.destroy()
+        return "created"
+
+    world = LoopbackWorld(34, device="cpu", num_ranks_per_node=1)  # 34 nodes of one rank
+    refused = world.run(make, True)
+    assert all("hybrid mode needs <= 32 nodes of <= 64 ranks" in r and "got 34 nodes of 1 ranks" in r for r in refused)
+    assert world.run(make, False) == ["created"] * 34  # direct mode has no such limit
