@@ -42,14 +42,16 @@ def test_moe_specs_cover_both_layouts_and_scale_formats():
 
 def _mirror_assertions() -> str:
     lines = ["#include <cstddef>", "#include <deep_ep/kernels/dispatch.cuh>", "#include <deep_ep/kernels/dispatch_epilogue.cuh>",
-             "#include <deep_ep/kernels/combine.cuh>", "#include <deep_ep/kernels/combine_epilogue.cuh>"]  # fmt: skip
-    for mirror in (
-        kernel_specs.DispatchArgs,
-        kernel_specs.DispatchEpilogueArgs,
-        kernel_specs.CombineArgs,
-        kernel_specs.CombineEpilogueArgs,
+             "#include <deep_ep/kernels/combine.cuh>", "#include <deep_ep/kernels/combine_epilogue.cuh>",
+             "#include <deep_ep/kernels/transport_ping.cuh>"]  # fmt: skip
+    for mirror, name in (
+        (kernel_specs.DispatchArgs, "deep_ep::DispatchArgs"),
+        (kernel_specs.DispatchEpilogueArgs, "deep_ep::DispatchEpilogueArgs"),
+        (kernel_specs.CombineArgs, "deep_ep::CombineArgs"),
+        (kernel_specs.CombineEpilogueArgs, "deep_ep::CombineEpilogueArgs"),
+        (kernel_specs.TransportPingArgs, "deep_ep::TransportPingArgs"),
+        (kernel_specs.LsaTransportArgs, "deep_ep::transport::Lsa::Args"),
     ):
-        name = f"deep_ep::{mirror.__name__}"
         lines.append(f'static_assert(sizeof({name}) == {ctypes.sizeof(mirror)}, "{mirror.__name__} size");')
         for field, _ in mirror._fields_:
             offset = getattr(mirror, field).offset

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from deep_ep.jit import NCCLHeadersError, compile_spec, load_host_library
+from deep_ep.jit import JITCompileError, NCCLHeadersError, compile_spec, load_host_library
 from deep_ep.jit.host import build_host_library
 from deep_ep.jit.nccl_headers import find_nccl, version_string
 
@@ -52,6 +52,26 @@ def test_nccl_kernels_and_shims_compile_against_each_release(nccl_roots, version
     assert shim.metadata["nccl_version"] == version and shim.binary_path.stat().st_size > 0
     with pytest.raises(NCCLHeadersError, match="for compiling only"):
         load_host_library("deep_ep_nccl_shim", device_comm._SHIM_SOURCE)
+
+
+@pytest.mark.parametrize("version", NCCL_MATRIX)
+def test_the_gin_transport_compiles_per_backend_from_nccl_2_30_4(nccl_roots, version, sm90a_checked_cache,
+                                                                 monkeypatch):  # fmt: skip
+    """The transport self-test over GIN (transport/gin.cuh), each GIN backend alone: no spills and no
+    stack, except the 8 bytes NCCL 2.30.4's proxy path needs (transport.md); 2.28.9 is refused."""
+    monkeypatch.setenv("EP_JIT_NCCL_ROOT", str(nccl_roots[version]))
+    if version == "2.28.9":
+        with pytest.raises(JITCompileError, match=r"GIN transport needs NCCL >= 2\.30\.4"):
+            compile_spec(kernel_specs.transport_ping_spec("gin", "PROXY"))
+        return
+    for backend in ("PROXY", "GDAKI"):
+        allowed_stack = 8 if (version, backend) == ("2.30.4", "PROXY") else 0
+        monkeypatch.setenv("EP_JIT_PTXAS_CHECK", "0" if allowed_stack else "1")
+        entry = compile_spec(kernel_specs.transport_ping_spec("gin", backend))
+        assert entry.metadata["nccl_version"] == version, entry.metadata
+        for resources in entry.metadata["resources"].values():
+            assert resources["spill_stores"] == resources["local_memory"] == 0, (version, backend, resources)
+            assert resources["stack_frame"] <= allowed_stack, (version, backend, resources)
 
 
 def test_an_override_without_headers_is_refused(tmp_path, monkeypatch):

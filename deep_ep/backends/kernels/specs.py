@@ -10,6 +10,7 @@ recompiles. `warmup_specs()` lists the specialisations the tests and benchmarks 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import zlib
 
@@ -130,6 +131,28 @@ class CombineEpilogueArgs(ctypes.Structure):
     ]
 
 
+class LsaTransportArgs(ctypes.Structure):
+    """Mirror of `deep_ep::transport::Lsa::Args` (transport/lsa.cuh), passed by value."""
+
+    _fields_ = [("peer_windows", ctypes.c_uint64), ("rank", ctypes.c_int)]
+
+
+class TransportPingArgs(ctypes.Structure):
+    """Mirror of `deep_ep::TransportPingArgs` (transport_ping.cuh), passed by value."""
+
+    _fields_ = [
+        ("src_offset", ctypes.c_uint64),
+        ("dst_offset", ctypes.c_uint64),
+        ("num_bytes", ctypes.c_uint64),
+        ("signal_offset", ctypes.c_uint64),
+        ("round", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("rank", ctypes.c_int),
+        ("num_ranks", ctypes.c_int),
+        ("status", ctypes.c_uint64),
+    ]
+
+
 # Spec builders are memoized: building a KernelSpec resolves include paths on disk, which would
 # otherwise be paid by every kernel of every dispatch and combine.
 def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = False) -> KernelSpec:
@@ -207,6 +230,25 @@ def peer_store_spec() -> KernelSpec:
     return _spec("peer_store", (NUM_THREADS,), ("char*", "int", "int", "uint64_t", "const int4*", "uint64_t"))
 
 
+# NCCL's GIN backends, compiled one at a time (every backend at once costs registers and a stack)
+GIN_BACKENDS = ("PROXY", "GDAKI", "GPI", "EFA_GDA")
+
+
+@functools.cache
+def transport_ping_spec(transport: str = "lsa", gin_backend: str = "PROXY") -> KernelSpec:
+    """The transport self-test (transport_ping.cuh) over `transport` (`'lsa'`, or `'gin'` built against
+    NCCL >= 2.30.4 with the one GIN backend `gin_backend` of `GIN_BACKENDS`)."""
+    if transport == "lsa":
+        return _spec("transport_ping", ("deep_ep::transport::Lsa", 256),
+                     ("deep_ep::transport::Lsa::Args", "deep_ep::TransportPingArgs"))  # fmt: skip
+    if transport != "gin" or gin_backend not in GIN_BACKENDS:
+        raise ValueError(f"transport_ping_spec: no transport {transport!r} with GIN backend {gin_backend!r}")
+    flags = ("-DDEEP_EP_WITH_GIN=1", *(f"-DNCCL_GIN_{b}_ENABLE={int(b == gin_backend)}" for b in GIN_BACKENDS))
+    spec = _spec("transport_ping", ("deep_ep::transport::Gin", 256),
+                 ("deep_ep::transport::Gin::Args", "deep_ep::TransportPingArgs"), use_nccl=True)  # fmt: skip
+    return dataclasses.replace(spec, extra_flags=flags)
+
+
 @functools.cache
 def nccl_peer_pointers_spec() -> KernelSpec:
     """The only kernel built against NCCL's headers: an NCCL window's LSA peer pointers."""
@@ -244,7 +286,7 @@ def warmup_specs(num_ranks: int = 2, hiddens: tuple[int, ...] = (2048, 7168), nu
                  num_experts: int = 256) -> list[KernelSpec]:  # fmt: skip
     """The probes and every specialisation of one MoE shape per hidden size (BF16 and both FP8 scale
     packs). The defaults are the 2-rank shapes of the GPU tests and the benchmark."""
-    specs = [peer_store_spec(), nccl_peer_pointers_spec(), post_fault_spec()]
+    specs = [peer_store_spec(), nccl_peer_pointers_spec(), post_fault_spec(), transport_ping_spec("lsa")]
     for hidden in hiddens:
         fp8 = (-(-hidden // 128) * 4, -(-hidden // 512) * 4)
         specs += moe_specs(num_ranks, hidden, num_topk, num_experts, fp8)

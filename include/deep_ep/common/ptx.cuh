@@ -35,6 +35,10 @@ __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ void red_add_release_sys_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ void st_release_sys(int* ptr, int v) {
     asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
