@@ -443,12 +443,18 @@ class ReferenceBackend(EPBackend):
                 acc = acc + bias.float()
         token_idx = torch.arange(num_tokens, device=device)
         num_scaleup = self.config.num_scaleup_ranks or self.num_ranks
-        staged = not per_lane and num_scaleup < self.num_ranks
-        domain_acc = None
-        if staged:
-            domain_acc = torch.zeros((num_tokens, self.num_ranks // num_scaleup, hidden), dtype=torch.float32,
-                                     device=device)  # fmt: skip
         domain_of = torch.where(send.dst_rank >= 0, send.dst_rank // num_scaleup, -1)
+        domain_acc = None
+        if not per_lane and num_scaleup < self.num_ranks:
+            # One FP32 accumulator per domain a token reaches (at most min(domains, K)), numbered in
+            # the order of each domain's first lane
+            same = domain_of.unsqueeze(2) == domain_of.unsqueeze(1)  # [T, K, K]
+            first_lane = same.int().argmax(dim=2)  # the first lane of each lane's domain
+            is_first = (first_lane == torch.arange(num_topk, device=device)) & (domain_of >= 0)
+            ordinal = torch.cumsum(is_first.int(), dim=1) - 1
+            domain_slot = ordinal.gather(1, first_lane)
+            num_slots = min(self.num_ranks // num_scaleup, num_topk)
+            domain_acc = torch.zeros((num_tokens, num_slots, hidden), dtype=torch.float32, device=device)
         for lane in range(num_topk):
             dst = send.dst_rank[:, lane]
             if per_lane:
@@ -462,12 +468,12 @@ class ReferenceBackend(EPBackend):
             if domain_acc is None:
                 acc[tokens] = acc[tokens] + back_rows[rows[tokens]].float()
                 continue
-            domain = domain_of[tokens, lane]
-            domain_acc[tokens, domain] = domain_acc[tokens, domain] + back_rows[rows[tokens]].float()
+            slot = domain_slot[tokens, lane]
+            domain_acc[tokens, slot] = domain_acc[tokens, slot] + back_rows[rows[tokens]].float()
             # A domain's partial is added at its last lane
             domain_done = (dst >= 0) & ~(domain_of[:, lane + 1 :] == domain_of[:, lane].unsqueeze(1)).any(dim=1)
             done = domain_done.nonzero()[:, 0]
-            partial = domain_acc[done, domain_of[done, lane]].to(torch.bfloat16)
+            partial = domain_acc[done, domain_slot[done, lane]].to(torch.bfloat16)
             acc[done] = acc[done] + partial.float()
         return CombineResult(combined_x=acc.to(torch.bfloat16), combined_topk_weights=combined_weights)
 
