@@ -7,18 +7,20 @@ chosen by name through `deep_ep.backends.registry`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from deep_ep import planner
+from deep_ep.agrs import AgrsMixin, AgrsState
 from deep_ep.backends import registry
 from deep_ep.backends.base import BufferConfig, CombineRequest, DispatchRequest, EPBackend, loopback_world_of
 from deep_ep.domains import get_physical_domain_size, group_device, logical_domains
@@ -105,7 +107,7 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
     return select_backend_class(group, chosen)
 
 
-class ElasticBuffer:
+class ElasticBuffer(AgrsMixin):
     """The expert-parallel communication buffer (dispatch and combine), source-compatible with DeepEP V2.
 
     Attributes:
@@ -251,6 +253,8 @@ class ElasticBuffer:
         # One call at a time: a second thread inside the same buffer would interleave two operations
         # on one window, which every peer would then read as a sequence that diverged
         self._in_use = threading.Lock()
+        self._num_cpu_timeout_secs = num_cpu_timeout_secs
+        self._agrs = AgrsState(num_max_session_bytes=num_bytes)
         self._user = ""
         # Physical and logical domains (the host exchange is collective on a real group)
         self.num_rdma_ranks, self.num_nvlink_ranks = get_physical_domain_size(group)
@@ -330,6 +334,20 @@ class ElasticBuffer:
         self.backend.barrier()
 
     # Lifetime
+    @contextlib.contextmanager
+    def _agrs_call(self, op: str) -> Iterator[float]:
+        """One AGRS call (`deep_ep.agrs`): one thread at a time on a live buffer; yields the host deadline."""
+        if not self._in_use.acquire(blocking=False):
+            raise RuntimeError(
+                f"ElasticBuffer: {op} called while thread {self._user!r} is inside a call of the same buffer"
+            )
+        self._user = threading.current_thread().name
+        try:
+            self._live_backend(op)
+            yield float(self._num_cpu_timeout_secs)
+        finally:
+            self._in_use.release()
+
     def _live_backend(self, op: str) -> EPBackend:
         if self.backend is None:
             raise ValueError(

@@ -1,0 +1,69 @@
+"""The AGRS checks one rank runs (CPU virtual ranks here, CUDA virtual ranks in the GPU test): all-gather
+bit for bit against every rank's tensors, reduce-scatter bit for bit against a fixed-order FP32 sum
+by brute force, single and batched calls, in-place tensors, the session's accounting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from oracle import assert_bitwise, gather_to_all
+
+import deep_ep
+from deep_ep.domains import group_device
+
+GATHER_DTYPES = (torch.bfloat16, torch.float32, torch.int8, torch.uint8, torch.float8_e4m3fn)
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype in (torch.bfloat16, torch.float32):  # a wide exponent range: FP32 sums depend on the order
+        scale = torch.exp2(torch.randint(-14, 15, shape, generator=gen).float())
+        return (torch.randn(shape, generator=gen) * scale).to(dtype)
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype)
+
+
+def agrs_rank(rank: int, group: dist.ProcessGroup, seed: int, backend: str) -> dict[str, Any]:
+    device = group_device(group)
+    num_ranks = group.size()
+    shapes = [(5, 24), (3,), (2, 3, 16)]
+    num_bytes = deep_ep.ElasticBuffer.get_agrs_buffer_size_hint(
+        group, sum(deep_ep.ElasticBuffer.get_agrs_num_max_session_bytes(group, s, torch.float32) for s in shapes) * 8
+    )
+    buffer = deep_ep.ElasticBuffer(group, num_bytes, backend=backend, explicitly_destroy=True)
+    gen = torch.Generator().manual_seed(seed * 101 + rank)
+    out: dict[str, Any] = {"order_differs": 0}
+    with buffer.agrs_new_session():
+        for dtype in GATHER_DTYPES:
+            mine = [_random(shape, dtype, gen).to(device) for shape in shapes]
+            single, wait = buffer.all_gather(mine[0])
+            wait()
+            *batched, wait = buffer.all_gather(mine)
+            wait()
+            everyone = gather_to_all(mine, group)
+            for i, gathered in enumerate([single, *batched]):
+                index = 0 if i == 0 else i - 1
+                expected = torch.stack([everyone[r][index] for r in range(num_ranks)])
+                assert_bitwise(gathered, expected, f"all_gather of {dtype}, tensor {index}")
+        inplace = buffer.agrs_get_inplace_tensor((4, 8), torch.bfloat16)
+        inplace.copy_(_random((4, 8), torch.bfloat16, gen).to(device))
+        gathered, _ = buffer.all_gather(inplace)
+        assert_bitwise(gathered[rank], inplace, "all_gather of an in-place tensor")
+    with buffer.agrs_new_session():
+        for dtype in (torch.bfloat16, torch.float32):
+            contributions = _random((num_ranks, 6, 40), dtype, gen).to(device)
+            before = contributions.clone()
+            reduced, wait = buffer.reduce_scatter(contributions)
+            wait()
+            everyone = gather_to_all(contributions, group)
+            acc, backwards = torch.zeros((6, 40)), torch.zeros((6, 40))
+            for source in range(num_ranks):
+                acc = acc + everyone[source][rank].float()
+                backwards = backwards + everyone[num_ranks - 1 - source][rank].float()
+            assert_bitwise(reduced, acc.to(dtype), f"reduce_scatter of {dtype}")
+            assert_bitwise(contributions, before, "reduce_scatter's input (it was modified)")
+            out["order_differs"] += int((acc.to(dtype) != backwards.to(dtype)).sum())
+    out["sizes"] = (buffer.get_agrs_num_max_session_bytes(group, (5, 24), torch.bfloat16), num_bytes)
+    buffer.destroy()
+    return out
