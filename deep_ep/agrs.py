@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep.errors import EPPeerError, EPTimeoutError
+from deep_ep.host_reads import wait_for_work
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.utils.math import align
 
@@ -292,15 +292,8 @@ def _completed() -> None:
 
 
 def _wait(work: dist.Work, timeout_s: float, what: str, buffer: AgrsMixin) -> None:
-    """Wait for `work` with the host deadline `timeout_s` (`EPTimeoutError` past it)."""
-    deadline = time.monotonic() + timeout_s
-    num_polls = 0
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise EPTimeoutError(
-                f"AGRS: rank {buffer.rank_idx} of {buffer.num_ranks} waited more than {timeout_s:g} s for {what}; "
-                "a peer did not join (it failed, hangs, or called a different method)"
-            )
-        num_polls += 1
-        time.sleep(0 if num_polls < 100 else 1e-4)
-    work.wait()
+    if not wait_for_work(work, timeout_s):
+        raise EPTimeoutError(
+            f"AGRS: rank {buffer.rank_idx} of {buffer.num_ranks} waited more than {timeout_s:g} s for {what}; "
+            "a peer did not join (it failed, hangs, or called a different method)"
+        )

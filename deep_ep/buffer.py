@@ -27,6 +27,7 @@ from deep_ep.domains import get_physical_domain_size, group_device, logical_doma
 from deep_ep.errors import EPError, EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap, shared_comm_stream
 from deep_ep.handle import BufferLifetime, BufferOrigin, EPHandle
+from deep_ep.pp import PpMixin, PpState
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.validation import (
     MAX_RANKS,
@@ -107,7 +108,7 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
     return select_backend_class(group, chosen)
 
 
-class ElasticBuffer(AgrsMixin):
+class ElasticBuffer(AgrsMixin, PpMixin):
     """The expert-parallel communication buffer (dispatch and combine), source-compatible with DeepEP V2.
 
     Attributes:
@@ -255,6 +256,7 @@ class ElasticBuffer(AgrsMixin):
         self._in_use = threading.Lock()
         self._num_cpu_timeout_secs = num_cpu_timeout_secs
         self._agrs = AgrsState(num_max_session_bytes=num_bytes)
+        self._pp = PpState()
         self._user = ""
         # Physical and logical domains (the host exchange is collective on a real group)
         self.num_rdma_ranks, self.num_nvlink_ranks = get_physical_domain_size(group)

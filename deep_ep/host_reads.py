@@ -12,6 +12,7 @@ stream's queued work is done; the copy then finds nothing to wait for.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -54,3 +55,17 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_cuda:
         wait_for_stream()
     return tensor.cpu()
+
+
+def wait_for_work(work: Any, timeout_s: float) -> bool:
+    """Wait for a `torch.distributed` `Work` by polling `is_completed` (busy at first, then short
+    sleeps); False once `timeout_s` has passed (the work is left pending), else True after `wait()`."""
+    deadline = time.monotonic() + timeout_s
+    num_polls = 0
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        num_polls += 1
+        time.sleep(0 if num_polls < 100 else 1e-4)
+    work.wait()
+    return True

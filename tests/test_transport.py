@@ -16,9 +16,10 @@ from deep_ep.backends.kernels.transport import TransportChoice, choose_transport
 class _VirtualGroup:
     """What `choose_transport` reads of a `deep_ep.loopback.LoopbackGroup`: its size and its world."""
 
-    def __init__(self, num_ranks: int, device: str) -> None:
+    def __init__(self, num_ranks: int, device: str, num_ranks_per_node: int | None = None) -> None:
         self.num_ranks = num_ranks
-        self.loopback_world = SimpleNamespace(device=torch.device(device))
+        self.loopback_world = SimpleNamespace(device=torch.device(device),
+                                              num_ranks_per_node=num_ranks_per_node or num_ranks)  # fmt: skip
 
     def size(self) -> int:
         return self.num_ranks
@@ -35,6 +36,11 @@ def test_virtual_ranks_of_a_cuda_world_use_loopback() -> None:
 def test_virtual_ranks_the_kernels_cannot_serve(num_ranks: int, device: str, reason: str) -> None:
     choice = choose_transport(_VirtualGroup(num_ranks, device))  # type: ignore[arg-type]
     assert choice.name is None and not choice.supported and reason in choice.reason
+
+
+def test_virtual_nodes_are_refused_until_the_transport_across_nodes_is_built() -> None:
+    choice = choose_transport(_VirtualGroup(8, "cuda:0", num_ranks_per_node=4))  # type: ignore[arg-type]
+    assert choice.name is None and "2 virtual nodes" in choice.reason and "(GIN) is not built yet" in choice.reason
 
 
 class _ProcessGroup:

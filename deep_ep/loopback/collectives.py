@@ -68,6 +68,37 @@ class Rendezvous:
         return values
 
 
+class Mailboxes:
+    """Point-to-point messages between the ranks of a world: one FIFO per (source, destination)."""
+
+    def __init__(self, abort: Callable[[], str | None]) -> None:
+        self.abort = abort
+        self.condition = threading.Condition()
+        self.queues: dict[tuple[int, int], list[Any]] = {}
+
+    def put(self, src: int, dst: int, value: Any) -> None:
+        with self.condition:
+            self.queues.setdefault((src, dst), []).append(value)
+            self.condition.notify_all()
+
+    def get(self, src: int, dst: int, timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        with self.condition:
+            while not self.queues.get((src, dst)):
+                reason = self.abort()
+                if reason is not None:
+                    raise RuntimeError(f"{what}: the loopback world stopped ({reason})")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"{what}: rank {src} sent nothing within {timeout_s:g} s")
+                self.condition.wait(min(left, 0.05))
+            return self.queues[(src, dst)].pop(0)
+
+    def clear(self) -> None:
+        with self.condition:
+            self.queues.clear()
+
+
 class _Contribution:
     """A rank's input to a collective: a private copy, and on CUDA the event after which it is ready."""
 
@@ -119,8 +150,9 @@ class LoopbackGroup(dist.ProcessGroup):
 
     Supports `all_gather` (of lists), `all_reduce` (SUM, MIN, MAX, PRODUCT),
     `broadcast` (pass `group_src=` for the root: the group is not registered with torch's world,
-    so `src=` global ranks cannot be translated), `all_to_all_single`, `all_to_all`, `barrier` and the
-    `*_object` collectives built on them. A call returns once every rank has made it (or raises
+    so `src=` global ranks cannot be translated), `all_to_all_single`, `all_to_all`, `barrier`, the
+    `*_object` collectives built on them, and `send`/`recv` (`isend`/`irecv`; pass `group_dst=` /
+    `group_src=`; a send never waits for its receiver). A call returns once every rank has made it (or raises
     after the world's deadline, or when another rank's function raised); outputs are written on the
     caller's current stream.
 
@@ -180,6 +212,19 @@ class LoopbackGroup(dist.ProcessGroup):
             tensors[0].copy_(values[root].ready_on_current_stream()[0])
 
         return self._collective("broadcast", tensors[:1], finish)
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
+        """Queue a copy of `tensors[0]` for rank `dstRank` (messages of one pair arrive in order; tags
+        are not matched)."""
+        self.loopback_world.mailboxes.put(self._rank, dstRank, _Contribution(tensors[:1]))
+        return _completed_work()
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
+        """Wait (with the world's deadline) for rank `srcRank`'s next message into `tensors[0]`."""
+        value = self.loopback_world.mailboxes.get(srcRank, self._rank, self.loopback_world.timeout_s,
+                                                  f"LoopbackGroup recv on rank {self._rank}")  # fmt: skip
+        tensors[0].copy_(value.ready_on_current_stream()[0])
+        return _completed_work()
 
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._collective("barrier", [], lambda values: None)

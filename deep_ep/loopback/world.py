@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..backends.base import loopback_world_of
-from .collectives import LoopbackGroup, Rendezvous
+from .collectives import LoopbackGroup, Mailboxes, Rendezvous
 from .device import POOL, GreenContexts, RankStreams, check, cuda_driver
 
 # A guarded allocation is surrounded by bytes of this pattern, and filled with the other (large
@@ -126,6 +126,7 @@ class LoopbackWorld:
         self.timeout_s = float(timeout_s)
         self.guard_bytes = -(-guard_bytes // _WINDOW_ALIGNMENT) * _WINDOW_ALIGNMENT
         self.collectives = Rendezvous(num_ranks, lambda: self._abort_reason)
+        self.mailboxes = Mailboxes(lambda: self._abort_reason)
         self._internal = Rendezvous(num_ranks, lambda: self._abort_reason)
         self._internal_calls = [0] * num_ranks
         self._abort_reason: str | None = None
@@ -423,6 +424,7 @@ class LoopbackWorld:
         # Contributions to collectives that a failure left unfinished
         self.collectives.clear()
         self._internal.clear()
+        self.mailboxes.clear()
         torch.cuda.empty_cache()  # the reserve of this world's streams
         if self._green is not None:
             POOL.give(self._green_key, self._green)
