@@ -35,7 +35,6 @@ from deep_ep.utils.math import align
 SESSION_ALIGNMENT_BYTES = 32
 DEFAULT_MAX_ALL_GATHERS_PER_SESSION = 1024
 REDUCE_SCATTER_DTYPES = (torch.bfloat16, torch.float32)
-_OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "destroy_agrs_session": 3, "agrs_set_config": 4}
 
 Shapes = tuple[int, ...] | torch.Size | Sequence[tuple[int, ...] | torch.Size]
 
@@ -249,30 +248,13 @@ class AgrsMixin:
         state.num_used_calls += 1
 
     def _agree(self, op: str, what: str, timeout_s: float, error: BaseException | None = None) -> None:
-        """Every rank checks that every peer makes the same call with the same `what`, and that none
-        rejected its arguments (`error`: it raises its own, the others `EPPeerError`); one all-gather."""
-        code = zlib.crc32(what.encode()) if error is None else -1
-        row = torch.tensor([_OP_CODES[op], code], dtype=torch.int64, device=self.device)
-        rows = [torch.empty_like(row) for _ in range(self.num_ranks)]
-        _wait(dist.all_gather(rows, row, group=self.group, async_op=True), timeout_s, f"{op}'s agreement", self)
-        table = torch.stack(rows).cpu().tolist()
-        if error is not None:
-            raise error
-        rejected = [rank for rank, (_, c) in enumerate(table) if c == -1]
-        if rejected:
-            raise EPPeerError(f"{op}: rank(s) {rejected} rejected their arguments (see their errors); nothing moved")
-        if any(r != table[0] for r in table):
-            differ = [rank for rank, r in enumerate(table) if r != table[self.rank_idx]]
-            raise ValueError(
-                f"{op}: every rank must make the same call with the same shapes and dtypes; ranks {differ} "
-                f"differ from rank {self.rank_idx}'s ({what or op})"
-            )
+        agree_on_call(self, op, what, timeout_s, error)
 
     def _gathered(self, x: torch.Tensor, timeout_s: float) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.num_ranks)]
         work = dist.all_gather([p.reshape(-1).view(torch.uint8) for p in parts], x.reshape(-1).view(torch.uint8),
                                group=self.group, async_op=True)  # fmt: skip
-        _wait(work, timeout_s, "all_gather's data", self)
+        wait_collective(work, timeout_s, "all_gather's data", self)
         return torch.stack(parts)
 
     def _reduced(self, x: torch.Tensor, timeout_s: float) -> torch.Tensor:
@@ -280,20 +262,45 @@ class AgrsMixin:
         received = torch.empty_like(x)
         work = dist.all_to_all_single(received.view(-1), x.view(-1), [chunk] * self.num_ranks,
                                       [chunk] * self.num_ranks, group=self.group, async_op=True)  # fmt: skip
-        _wait(work, timeout_s, "reduce_scatter's data", self)
+        wait_collective(work, timeout_s, "reduce_scatter's data", self)
         acc = torch.zeros(x.shape[1:], dtype=torch.float32, device=self.device)
         for source in range(self.num_ranks):
             acc = acc + received[source].float()
         return acc.to(x.dtype)
 
 
+def agree_on_call(buffer: Any, op: str, what: str, timeout_s: float, error: BaseException | None = None) -> None:
+    """Every rank of `buffer`'s group checks that every peer makes the same call `op` with the same
+    `what`, and that none rejected its arguments (`error`: it raises its own, the others
+    `EPPeerError`); one all-gather with the host deadline `timeout_s`."""
+    code = zlib.crc32(what.encode()) if error is None else -1
+    row = torch.tensor([zlib.crc32(op.encode()), code], dtype=torch.int64, device=buffer.device)
+    rows = [torch.empty_like(row) for _ in range(buffer.num_ranks)]
+    wait_collective(
+        dist.all_gather(rows, row, group=buffer.group, async_op=True), timeout_s, f"{op}'s agreement", buffer
+    )
+    table = torch.stack(rows).cpu().tolist()
+    if error is not None:
+        raise error
+    rejected = [rank for rank, (_, c) in enumerate(table) if c == -1]
+    if rejected:
+        raise EPPeerError(f"{op}: rank(s) {rejected} rejected their arguments (see their errors); nothing moved")
+    if any(r != table[0] for r in table):
+        differ = [rank for rank, r in enumerate(table) if r != table[buffer.rank_idx]]
+        raise ValueError(
+            f"{op}: every rank must make the same call with the same shapes and dtypes; ranks {differ} "
+            f"differ from rank {buffer.rank_idx}'s ({what or op})"
+        )
+
+
 def _completed() -> None:
     """The wait of a call whose data is already in place."""
 
 
-def _wait(work: dist.Work, timeout_s: float, what: str, buffer: AgrsMixin) -> None:
+def wait_collective(work: dist.Work, timeout_s: float, what: str, buffer: Any) -> None:
+    """Wait for `work` with the host deadline `timeout_s`; `EPTimeoutError` naming `buffer`'s rank past it."""
     if not wait_for_work(work, timeout_s):
         raise EPTimeoutError(
-            f"AGRS: rank {buffer.rank_idx} of {buffer.num_ranks} waited more than {timeout_s:g} s for {what}; "
+            f"rank {buffer.rank_idx} of {buffer.num_ranks} waited more than {timeout_s:g} s for {what}; "
             "a peer did not join (it failed, hangs, or called a different method)"
         )

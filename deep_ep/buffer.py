@@ -24,6 +24,7 @@ from deep_ep.agrs import AgrsMixin, AgrsState
 from deep_ep.backends import registry
 from deep_ep.backends.base import BufferConfig, CombineRequest, DispatchRequest, EPBackend, loopback_world_of
 from deep_ep.domains import get_physical_domain_size, group_device, logical_domains
+from deep_ep.engram import EngramMixin
 from deep_ep.errors import EPError, EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap, shared_comm_stream
 from deep_ep.handle import BufferLifetime, BufferOrigin, EPHandle
@@ -108,7 +109,7 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
     return select_backend_class(group, chosen)
 
 
-class ElasticBuffer(AgrsMixin, PpMixin):
+class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
     """The expert-parallel communication buffer (dispatch and combine), source-compatible with DeepEP V2.
 
     Attributes:
@@ -257,6 +258,7 @@ class ElasticBuffer(AgrsMixin, PpMixin):
         self._num_cpu_timeout_secs = num_cpu_timeout_secs
         self._agrs = AgrsState(num_max_session_bytes=num_bytes)
         self._pp = PpState()
+        self._engram: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._user = ""
         # Physical and logical domains (the host exchange is collective on a real group)
         self.num_rdma_ranks, self.num_nvlink_ranks = get_physical_domain_size(group)
