@@ -140,6 +140,7 @@ def gloo_pair_worker(rank: int, num_ranks: int) -> bool:
     buffer.pp_send(_tensor(rank, 1 - rank, 2, torch.bfloat16), 1 - rank)
     got = torch.empty_like(_tensor(1 - rank, rank, 2, torch.bfloat16))
     buffer.pp_recv(got, 1 - rank)
+    buffer.barrier()  # both sends done before either process leaves (gloo drops a pair whose peer left)
     buffer.destroy()
     return torch.equal(got.view(torch.int16), _tensor(1 - rank, rank, 2, torch.bfloat16).view(torch.int16))
 
