@@ -122,3 +122,29 @@ def test_queue_pairs_follow_v2s_defaults(group: dist.ProcessGroup, tmp_path) -> 
     (tmp_path / "mlx5_1" / "hca_type").write_text("MT4129\n")
     assert planner.default_num_allocated_qps(True, str(tmp_path)) == 129
     assert planner.default_num_allocated_qps(False, str(tmp_path)) == 17
+
+
+# V2's experimental methods (its `elastic.py`), parameter names in order
+V2_EXPERIMENTAL = {
+    "get_agrs_num_max_session_bytes": ("group", "shapes", "dtype"),
+    "get_agrs_buffer_size_hint": ("group", "num_max_session_bytes"),
+    "create_agrs_session": (),
+    "destroy_agrs_session": (),
+    "agrs_new_session": ("enabled",),
+    "agrs_set_config": ("num_max_session_bytes", "num_max_all_gathers_per_session"),
+    "agrs_get_inplace_tensor": ("shapes", "dtype"),
+    "all_gather": ("t",),
+    "get_pp_buffer_size_hint": ("num_max_tensor_bytes", "num_max_inflight_tensors"),
+    "pp_set_config": ("num_max_tensor_bytes", "num_max_inflight_tensors"),
+    "pp_send": ("t", "dst_rank_idx", "num_sms"),
+    "pp_recv": ("t", "src_rank_idx", "num_sms"),
+    "get_engram_storage_size_hint": ("num_entries", "hidden", "num_max_tokens_per_rank", "dtype"),
+    "engram_write": ("storage", "sf"),
+    "engram_fetch": ("indices", "num_qps", "use_tma_aligned_col_major_sf"),
+}
+
+
+def test_v2s_experimental_methods_take_v2s_parameters() -> None:
+    for name, expected in V2_EXPERIMENTAL.items():
+        parameters = [p for p in inspect.signature(getattr(deep_ep.ElasticBuffer, name)).parameters if p != "self"]
+        assert tuple(parameters) == expected, (name, parameters)
