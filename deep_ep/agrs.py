@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep.errors import EPPeerError, EPTimeoutError
-from deep_ep.host_reads import wait_for_work
+from deep_ep.host_reads import host_list, wait_for_work
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.utils.math import align
 
@@ -279,7 +279,7 @@ def agree_on_call(buffer: Any, op: str, what: str, timeout_s: float, error: Base
     wait_collective(
         dist.all_gather(rows, row, group=buffer.group, async_op=True), timeout_s, f"{op}'s agreement", buffer
     )
-    table = torch.stack(rows).cpu().tolist()
+    table = host_list(torch.stack(rows))
     if error is not None:
         raise error
     rejected = [rank for rank, (_, c) in enumerate(table) if c == -1]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep.agrs import agree_on_call, wait_collective
+from deep_ep.host_reads import host_list
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.utils.math import align
 
@@ -104,11 +105,13 @@ class EngramMixin:
                     f"{indices.device}"
                 )
             flat = indices.reshape(-1).long()
-            if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= table.shape[0]):
-                raise ValueError(
-                    f"{op}: `indices` values must be in [0, {table.shape[0]}) (num_ranks x num_entries), got "
-                    f"[{int(flat.min())}, {int(flat.max())}]"
-                )
+            if flat.numel():
+                low, high = host_list(torch.stack([flat.min(), flat.max()]))
+                if low < 0 or high >= table.shape[0]:
+                    raise ValueError(
+                        f"{op}: `indices` values must be in [0, {table.shape[0]}) (num_ranks x num_entries), got "
+                        f"[{low}, {high}]"
+                    )
             data = table.index_select(0, flat)
             fetched_sf = None
             if scales is not None:

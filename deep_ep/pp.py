@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep.errors import EPTimeoutError
+from deep_ep.host_reads import host_list
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.utils.math import align
 
@@ -119,7 +120,7 @@ class PpMixin:
             header = torch.empty(1, dtype=torch.int64, device=self.device)
             _wait(self.group.recv([header], src_rank_idx, 0), timeout_s, f"{op} from rank {src_rank_idx}",
                   self.rank_idx)  # fmt: skip
-            num_sent = int(header.cpu())
+            num_sent = host_list(header)[0]
             target = t.reshape(-1).view(torch.uint8)
             received = target if num_sent == target.numel() else torch.empty(num_sent, dtype=torch.uint8,
                                                                               device=self.device)  # fmt: skip
