@@ -346,3 +346,22 @@ def test_plan_warns_about_a_huge_buffer():
     result = _cli("--ranks", "2", "--tokens", "100000000")
     assert result.returncode == 0 and "warning: a buffer of" in result.stderr and "tokens per rank" in result.stderr
     assert "warning" not in _cli("--ranks", "2").stderr
+
+
+def test_the_hybrid_worked_example_of_the_docs():
+    """docs/planner.md, "Worked example: hybrid against direct": the numbers by hand."""
+    hardware = replace(HOPPER, nvlink_gbs=400.0, rdma_gbs=50.0, source="docs example")
+    shape = MoEShape(4096, 7168, 8, 256, False)
+    assert planner.expected_hit_groups(256, 8, 16) == pytest.approx(6.5233, abs=1e-4)
+    assert planner.expected_hit_groups(256, 8, 2) == pytest.approx(1.99302, abs=1e-5)
+    direct, hybrid = (plan(shape, 16, 8, mode, hardware) for mode in ("direct", "hybrid"))
+    assert (direct.nvlink_records_per_token, direct.rdma_records_per_token) == pytest.approx((2.8539, 3.2616), abs=1e-4)
+    assert (hybrid.nvlink_records_per_token, hybrid.rdma_records_per_token) == pytest.approx(
+        (5.7079, 0.99651), abs=1e-4
+    )
+    assert direct.dispatch_link_us == pytest.approx(4096 * 14400 * 3.26164 / 50e3, rel=1e-4)
+    assert direct.dispatch_link_us == pytest.approx(3847.6, abs=0.1)
+    assert hybrid.dispatch_link_us == pytest.approx(1175.5, abs=0.1)  # RDMA-bound: max(841.7, 1175.5)
+    assert (direct.combine_link_us, hybrid.combine_link_us) == pytest.approx((3830.5, 1170.3), abs=0.1)
+    assert direct.bottleneck == hybrid.bottleneck == "rdma"
+    assert hybrid.predicted_dispatch_us > hybrid.dispatch_link_us
