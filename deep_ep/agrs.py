@@ -66,7 +66,7 @@ class AgrsState:
 
 class AgrsMixin:
     """The AGRS methods of `ElasticBuffer` (which provides `group`, `num_ranks`, `rank_idx`, `device`,
-    `num_bytes`, `_agrs` and `_agrs_call`)."""
+    `num_bytes`, `_agrs` and `_exclusive_call`)."""
 
     group: dist.ProcessGroup
     num_ranks: int
@@ -74,7 +74,7 @@ class AgrsMixin:
     device: torch.device
     num_bytes: int
     _agrs: AgrsState
-    _agrs_call: Callable[[str], contextlib.AbstractContextManager[float]]
+    _exclusive_call: Callable[[str], contextlib.AbstractContextManager[float]]
 
     @staticmethod
     def get_agrs_num_max_session_bytes(group: dist.ProcessGroup, shapes: Shapes, dtype: torch.dtype) -> int:
@@ -97,7 +97,7 @@ class AgrsMixin:
             num_max_all_gathers_per_session: the most `all_gather` and `reduce_scatter` calls in one session.
         """
         op = "agrs_set_config"
-        with self._agrs_call(op) as timeout_s:
+        with self._exclusive_call(op) as timeout_s:
             for name, value in (("num_max_session_bytes", num_max_session_bytes),
                                 ("num_max_all_gathers_per_session", num_max_all_gathers_per_session)):  # fmt: skip
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -114,7 +114,7 @@ class AgrsMixin:
 
     def create_agrs_session(self) -> None:
         """Begin an AGRS session; pair it with `destroy_agrs_session` (or use `agrs_new_session`)."""
-        with self._agrs_call("create_agrs_session"):
+        with self._exclusive_call("create_agrs_session"):
             if self._agrs.is_open:
                 raise ValueError("create_agrs_session: needs no open AGRS session, got one open (sessions do not nest)")
             self._agrs.is_open, self._agrs.num_used_bytes, self._agrs.num_used_calls = True, 0, 0
@@ -122,7 +122,7 @@ class AgrsMixin:
     def destroy_agrs_session(self) -> None:
         """End the open AGRS session (collective: every rank ends it before any rank starts the next)."""
         op = "destroy_agrs_session"
-        with self._agrs_call(op) as timeout_s:
+        with self._exclusive_call(op) as timeout_s:
             if not self._agrs.is_open:
                 raise ValueError(f"{op}: needs an open AGRS session, got none (create_agrs_session first)")
             self._agrs.is_open = False
@@ -154,7 +154,7 @@ class AgrsMixin:
         Returns:
             One uninitialised tensor of `shapes` on the buffer's device, or a tuple of them when batched.
         """
-        with self._agrs_call("agrs_get_inplace_tensor"):
+        with self._exclusive_call("agrs_get_inplace_tensor"):
             if not self._agrs.is_open:
                 raise ValueError("agrs_get_inplace_tensor: needs an open AGRS session, got none (agrs_new_session())")
             shape_list, batched = _as_shape_list(shapes)
@@ -192,7 +192,7 @@ class AgrsMixin:
     # -------------------------------------------------------------------------------- the collectives
 
     def _gather_or_reduce(self, op: str, t: torch.Tensor | Sequence[torch.Tensor]) -> tuple[Any, ...]:
-        with self._agrs_call(op) as timeout_s:
+        with self._exclusive_call(op) as timeout_s:
             if not self._agrs.is_open:
                 raise ValueError(f"{op}: needs an open AGRS session, got none (call it inside `agrs_new_session()`)")
             tensors: list[torch.Tensor] = []

@@ -49,23 +49,30 @@ topk_idx_t = torch.int64
 _buffer_ids = itertools.count(1)
 
 
-def _one_thread_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+@contextlib.contextmanager
+def _the_only_thread(buffer: ElasticBuffer) -> Iterator[None]:
     """Raise `RuntimeError` when another thread is inside a call of the same buffer: the calls are
     collective, and two threads would interleave their steps (validation and status exchange included)."""
+    if not buffer._in_use.acquire(blocking=False):
+        raise RuntimeError(
+            f"ElasticBuffer: called from thread {threading.current_thread().name!r} while thread "
+            f"{buffer._user!r} is inside a call of the same buffer; a buffer serves one thread at a time "
+            "(give each thread its own buffer)"
+        )
+    buffer._user = threading.current_thread().name
+    try:
+        yield
+    finally:
+        buffer._in_use.release()
+
+
+def _one_thread_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` inside `_the_only_thread`."""
 
     @functools.wraps(method)
     def guarded(self: ElasticBuffer, *args: Any, **kwargs: Any) -> Any:
-        if not self._in_use.acquire(blocking=False):
-            raise RuntimeError(
-                f"ElasticBuffer: called from thread {threading.current_thread().name!r} while thread "
-                f"{self._user!r} is inside a call of the same buffer; a buffer serves one thread at a time "
-                "(give each thread its own buffer)"
-            )
-        self._user = threading.current_thread().name
-        try:
+        with _the_only_thread(self):
             return method(self, *args, **kwargs)
-        finally:
-            self._in_use.release()
 
     return guarded
 
@@ -339,18 +346,12 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
 
     # Lifetime
     @contextlib.contextmanager
-    def _agrs_call(self, op: str) -> Iterator[float]:
-        """One AGRS call (`deep_ep.agrs`): one thread at a time on a live buffer; yields the host deadline."""
-        if not self._in_use.acquire(blocking=False):
-            raise RuntimeError(
-                f"ElasticBuffer: {op} called while thread {self._user!r} is inside a call of the same buffer"
-            )
-        self._user = threading.current_thread().name
-        try:
+    def _exclusive_call(self, op: str) -> Iterator[float]:
+        """One call of the AGRS, PP or Engram API (`deep_ep.agrs`, `.pp`, `.engram`): one thread at a
+        time, on a live buffer; yields the host deadline."""
+        with _the_only_thread(self):
             self._live_backend(op)
             yield float(self._num_cpu_timeout_secs)
-        finally:
-            self._in_use.release()
 
     def _live_backend(self, op: str) -> EPBackend:
         if self.backend is None:

@@ -22,26 +22,25 @@ import torch
 import torch.distributed as dist
 
 from deep_ep.agrs import agree_on_call, wait_collective
+from deep_ep.backends.base import TMA_ALIGNED_SF_TOKENS
 from deep_ep.host_reads import host_list
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
 from deep_ep.utils.math import align
 
 ENTRY_ALIGNMENT_BYTES = 32  # V2: `LDG.256`
 STORAGE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-# Scale packs of the TMA-aligned column-major layout are padded to this many tokens (as dispatch's)
-TMA_ALIGNED_SF_TOKENS = 4
 
 
 class EngramMixin:
     """The Engram methods of `ElasticBuffer` (which provides `group`, `num_ranks`, `rank_idx`,
-    `device`, `_engram` and `_agrs_call`, its guard of one call)."""
+    `device`, `_engram` and `_exclusive_call`, its guard of one call)."""
 
     group: dist.ProcessGroup
     num_ranks: int
     rank_idx: int
     device: torch.device
     _engram: tuple[torch.Tensor, torch.Tensor | None] | None
-    _agrs_call: Callable[[str], contextlib.AbstractContextManager[float]]
+    _exclusive_call: Callable[[str], contextlib.AbstractContextManager[float]]
 
     @staticmethod
     def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
@@ -62,7 +61,7 @@ class EngramMixin:
                 (packed UE8M0), the scales of every rank's entries, the same on every rank.
         """
         op = "engram_write"
-        with self._agrs_call(op) as timeout_s:
+        with self._exclusive_call(op) as timeout_s:
             error = None
             try:
                 self._check_storage(op, storage, sf)
@@ -93,7 +92,7 @@ class EngramMixin:
             `e * num_sf_packs ...`), else `None`.
         """
         op = "engram_fetch"
-        with self._agrs_call(op):
+        with self._exclusive_call(op):
             if self._engram is None:
                 raise ValueError(f"{op}: needs a table, got none (call engram_write first)")
             table, scales = self._engram

@@ -45,7 +45,7 @@ class PpState:
 
 class PpMixin:
     """The PP methods of `ElasticBuffer` (which provides `group`, `num_ranks`, `rank_idx`, `device`,
-    `num_bytes`, `_pp` and `_agrs_call`, its guard of one call)."""
+    `num_bytes`, `_pp` and `_exclusive_call`, its guard of one call)."""
 
     group: dist.ProcessGroup
     num_ranks: int
@@ -53,7 +53,7 @@ class PpMixin:
     device: torch.device
     num_bytes: int
     _pp: PpState
-    _agrs_call: Callable[[str], contextlib.AbstractContextManager[float]]
+    _exclusive_call: Callable[[str], contextlib.AbstractContextManager[float]]
 
     @staticmethod
     def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
@@ -71,7 +71,7 @@ class PpMixin:
             num_max_inflight_tensors: the most unreceived sends to one rank.
         """
         op = "pp_set_config"
-        with self._agrs_call(op) as timeout_s:
+        with self._exclusive_call(op) as timeout_s:
             for name, value in (("num_max_tensor_bytes", num_max_tensor_bytes),
                                 ("num_max_inflight_tensors", num_max_inflight_tensors)):  # fmt: skip
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -96,7 +96,7 @@ class PpMixin:
             num_sms: V2's; unused (no SM copies here).
         """
         op = "pp_send"
-        with self._agrs_call(op) as timeout_s:
+        with self._exclusive_call(op) as timeout_s:
             self._check(op, t, "dst_rank_idx", dst_rank_idx)
             self._drain(dst_rank_idx, 2 * (self._pp.num_max_inflight_tensors - 1), timeout_s, op)
             staged = t.detach().reshape(-1).view(torch.uint8).clone()  # the caller may reuse `t` at once
@@ -115,7 +115,7 @@ class PpMixin:
             num_sms: V2's; unused.
         """
         op = "pp_recv"
-        with self._agrs_call(op) as timeout_s:
+        with self._exclusive_call(op) as timeout_s:
             self._check(op, t, "src_rank_idx", src_rank_idx)
             header = torch.empty(1, dtype=torch.int64, device=self.device)
             _wait(self.group.recv([header], src_rank_idx, 0), timeout_s, f"{op} from rank {src_rank_idx}",

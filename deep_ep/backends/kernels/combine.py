@@ -67,8 +67,10 @@ def run_combine(
     runtime.check_capacity(
         combine_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows),
         "combine",
-        f"{num_max_tokens_per_rank} tokens x {f'{num_topk} lanes' if lane_slots else f'{runtime.num_ranks} ranks'} "
-        f"x {slot.num_bytes} bytes",
+        lambda: (
+            f"{num_max_tokens_per_rank} tokens x {f'{num_topk} lanes' if lane_slots else f'{runtime.num_ranks} ranks'} "
+            f"x {slot.num_bytes} bytes"
+        ),
     )
     num_sms = runtime.comm_grid(num_sms)
     combine_kernel, epilogue_kernel = runtime.share.load([

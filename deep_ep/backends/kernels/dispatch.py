@@ -113,7 +113,7 @@ def run_dispatch(
     runtime.check_capacity(
         dispatch_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, record.num_bytes),
         "dispatch",
-        f"{num_max_tokens_per_rank} tokens x {runtime.num_ranks} ranks x {record.num_bytes} bytes",
+        lambda: f"{num_max_tokens_per_rank} tokens x {runtime.num_ranks} ranks x {record.num_bytes} bytes",
     )
     device = x.device
     args_common = (runtime.num_ranks, hidden_bytes, scale_bytes, num_topk)

@@ -296,14 +296,14 @@ class NvlinkRuntime:
 
     # ---------------------------------------------------------------- capacity
 
-    def check_capacity(self, num_region_bytes: int, what: str, layout: str) -> None:
+    def check_capacity(self, num_region_bytes: int, what: str, layout: Callable[[], str]) -> None:
         """Raise `ValueError` unless the window holds the workspace and `num_region_bytes` of `what`'s
-        records or slots (`layout` says how they were counted)."""
+        records or slots (`layout()` says how they were counted; only called to word the error)."""
         needed = WORKSPACE_BYTES + num_region_bytes
         if needed > self.windows.num_bytes:
             raise ValueError(
                 f"{what}: the buffer holds {self.windows.num_bytes} bytes per rank but this call needs {needed} "
-                f"({layout}); create the buffer with ElasticBuffer.get_buffer_size_hint(...) for this shape (a "
+                f"({layout()}); create the buffer with ElasticBuffer.get_buffer_size_hint(...) for this shape (a "
                 "buffer sized with `use_fp8_dispatch`=True holds FP8 dispatches, not BF16 ones)"
             )
 

@@ -10,7 +10,6 @@ per-rank counts, which also checks that all ranks called with compatible argumen
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,7 +30,7 @@ from deep_ep.backends.base import (
     worst_case_num_recv_tokens,
 )
 from deep_ep.errors import EPPeerError, EPTimeoutError
-from deep_ep.host_reads import host_list, to_host, wait_for_stream
+from deep_ep.host_reads import host_list, to_host, wait_for_stream, wait_for_work
 from deep_ep.utils.math import align
 
 from .layout import RecvLayout, SendLayout, compute_recv_layout, compute_send_layout, send_offset
@@ -54,6 +53,7 @@ _HEADER_FIELDS = (
 )
 # Every dtype of this torch, in a fixed order: `x` travels as raw bytes, and the ranks must agree on its dtype
 _DTYPES = tuple(dict.fromkeys(v for n in sorted(dir(torch)) if isinstance(v := getattr(torch, n), torch.dtype)))
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _SCALE_KIND_CODES = {ScaleKind.NONE: 0, ScaleKind.FP32: 1, ScaleKind.UE8M0: 2}
 # How a disagreement on a header field is worded: the user's argument and its value per rank
 _HEADER_ARGS = {
@@ -130,18 +130,12 @@ class ReferenceBackend(EPBackend):
     # Collectives with a host-side deadline
     def _wait(self, work: dist.Work, what: str, blocking: bool) -> None:
         # NOTES: NCCL work only needs a stream wait unless the host reads the result; gloo work blocks
-        if blocking or self.device.type == "cpu":
-            deadline = time.monotonic() + self.config.num_cpu_timeout_secs
-            num_polls = 0
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise EPTimeoutError(
-                        f"reference backend: rank {self.rank_idx} of {self.num_ranks} waited more than "
-                        f"{self.config.num_cpu_timeout_secs} s for {what}; a peer did not join "
-                        "(it failed, hangs, or called a different method)"
-                    )
-                num_polls += 1
-                time.sleep(0 if num_polls < 100 else 1e-4)
+        if (blocking or self.device.type == "cpu") and not wait_for_work(work, self.config.num_cpu_timeout_secs):
+            raise EPTimeoutError(
+                f"reference backend: rank {self.rank_idx} of {self.num_ranks} waited more than "
+                f"{self.config.num_cpu_timeout_secs} s for {what}; a peer did not join "
+                "(it failed, hangs, or called a different method)"
+            )
         work.wait()
 
     def _all_gather(self, row: torch.Tensor, what: str) -> torch.Tensor:
@@ -203,7 +197,7 @@ class ReferenceBackend(EPBackend):
             "expert_alignment": req.expert_alignment,
             "do_expand": int(req.do_expand),
             "hidden": req.hidden,
-            "dtype": _DTYPES.index(req.x.dtype),
+            "dtype": _DTYPE_CODES[req.x.dtype],
             "scale_kind": _SCALE_KIND_CODES[req.scale_kind],
             "num_scale_packs": 0 if req.scales is None else req.scales.shape[1],
             "has_weights": int(req.topk_weights is not None),
