@@ -434,11 +434,14 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             self._lifetime.end("destroyed")
 
     # Rank masking
+    @_one_thread_at_a_time
     def mask_ranks(self, ranks: Iterable[int]) -> None:
         """Mask `ranks` from the next dispatch on: no lane is sent to them, and a masked rank sends nothing.
 
         Local: every rank that goes on must mask the same ranks before its next dispatch (a masked
         rank may be gone and cannot agree). Handles made before are refused afterwards (dispatch again).
+        The kernels keep the mask on the device, in stream order: work queued before this call runs
+        under the old mask, CUDA-graph replays after it under the new one (no re-capture).
 
         Arguments:
             ranks: rank indices in `[0, num_ranks)`; added to those masked already.
@@ -450,7 +453,13 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
                 raise ValueError(f"mask_ranks: `ranks` must hold rank indices in [0, {self.num_ranks}), got {rank!r}")
             added.add(rank)
-        self._masked_ranks = self._masked_ranks | added
+        if self._comm_stream is not None and torch.cuda.is_current_stream_capturing():
+            raise ValueError("mask_ranks: must be called outside CUDA-graph capture (replays read the mask on the "
+                             "device), got a call while the current stream is capturing")  # fmt: skip
+        backend = self._live_backend("mask_ranks")
+        masked = self._masked_ranks | added
+        self._communicate("mask_ranks", lambda: (backend.set_masked_ranks(masked), (), ()), None, False, False)
+        self._masked_ranks = masked
 
     def get_masked_ranks(self) -> list[int]:
         """The masked ranks, ascending (empty without rank masking)."""

@@ -31,6 +31,15 @@ def test_warmup_specs_compile_without_spills():
         assert spec.name.split("::")[-1] in entry.symbol, (spec.name, entry.symbol)
 
 
+@compiles
+def test_rank_masking_variants_compile_without_spills():
+    specs = kernel_specs.moe_specs(8, 2048, 8, 256, fp8_scale_bytes=(64,), rank_masking=True)[1:]  # no barrier
+    assert {s.template_args[-1] for s in specs} == {"true"}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        entries = list(pool.map(compile_spec, specs))
+    assert all(entry.binary_path.stat().st_size > 0 for entry in entries)
+
+
 def test_moe_specs_cover_both_layouts_and_scale_formats():
     specs = kernel_specs.moe_specs(num_ranks=8, hidden=4096, num_topk=8, num_experts=256, fp8_scale_bytes=(128, 32))
     dispatch = [s for s in specs if s.name == "deep_ep::dispatch_impl"]

@@ -31,6 +31,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kFaultReportedOffset == {layout.FAULT_REPORTED_OFFSET});",
         f"static_assert(deep_ep::kRankOffset == {layout.RANK_OFFSET});",
         f"static_assert(deep_ep::kNumRanksOffset == {layout.NUM_RANKS_OFFSET});",
+        f"static_assert(deep_ep::kMaskedRanksOffset == {layout.MASKED_RANKS_OFFSET});",
         f"static_assert(deep_ep::kCreditOffset == {layout.CREDIT_OFFSET});",
         f"static_assert(deep_ep::kPeerWindowsOffset == {layout.PEER_WINDOWS_OFFSET});",
         f"static_assert(deep_ep::kOpSignatureOffset == {layout.OP_SIGNATURE_OFFSET});",

@@ -432,6 +432,11 @@ class EPBackend(abc.ABC):
         """`op` raised `error` on this rank after `announce`: tell the peers where a backend can
         (they may wait in this operation for this rank). The default does nothing."""
 
+    def set_masked_ranks(self, masked_ranks: frozenset[int]) -> None:  # noqa: B027 (optional hook)
+        """The mask changed (`ElasticBuffer.mask_ranks`, local): a backend that keeps it on the device
+        writes it here, in stream order on the current stream, so that CUDA-graph replays see it too.
+        The default does nothing (the backend reads `DispatchRequest.masked_ranks`)."""
+
     @abc.abstractmethod
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Send every token to the ranks that own its experts (collective)."""

@@ -97,7 +97,7 @@ def test_a_backend_without_rank_masking_refuses_it_at_construction(
 ) -> None:
     from deep_ep.backends.reference.backend import ReferenceBackend
 
-    # The kernels backend has no rank masking yet; the reference backend stands in for it here
+    # Both backends mask ranks; the reference backend stands in for one that does not
     monkeypatch.setattr(ReferenceBackend, "supports_rank_masking", False)
     with pytest.raises(ValueError, match=r"`enable_rank_masking`=True needs a backend that masks ranks, got the "):
         deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=8, hidden=128, enable_rank_masking=True)

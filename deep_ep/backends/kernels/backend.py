@@ -30,13 +30,15 @@ class NvlinkBackend(EPBackend):
     name = "kernels"
     checks_topk_values_on_device: ClassVar[bool] = True
     supports_graph_capture: ClassVar[bool] = True
+    supports_rank_masking: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
         transport = open_transport(group, config.num_bytes)
         self.runtime = NvlinkRuntime(transport.open_windows, transport.share,
                                      num_gpu_timeout_secs=config.num_gpu_timeout_secs,
-                                     num_cpu_timeout_secs=config.num_cpu_timeout_secs)  # fmt: skip
+                                     num_cpu_timeout_secs=config.num_cpu_timeout_secs,
+                                     rank_masking=config.enable_rank_masking)  # fmt: skip
 
     @classmethod
     def is_supported(cls, group: dist.ProcessGroup) -> bool:
@@ -55,6 +57,9 @@ class NvlinkBackend(EPBackend):
 
     def fail(self, op: str, error: BaseException) -> None:
         self.runtime.post_fault(op, error)
+
+    def set_masked_ranks(self, masked_ranks: frozenset[int]) -> None:
+        self.runtime.set_masked_ranks(masked_ranks, torch.cuda.current_stream())
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         num_local_experts = request.num_experts // self.config.num_ranks
@@ -104,6 +109,7 @@ class NvlinkBackend(EPBackend):
             recv_src_metadata=out["recv_src_metadata"],
             dst_buffer_slot_idx=dst_slot,
             backend_state=state,
+            num_masked_lanes=out["num_masked_lanes"] if handle is None else handle.num_masked_lanes,
         )
 
     def combine(self, request: CombineRequest) -> CombineResult:

@@ -74,8 +74,8 @@ def run_combine(
     )
     num_sms = runtime.comm_grid(num_sms)
     combine_kernel, epilogue_kernel = runtime.share.load([
-        specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand),
-        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows),
+        specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand, runtime.rank_masking),
+        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, runtime.rank_masking),
     ])  # fmt: skip
     op_hash = specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk)
     arrival_slots = arrival_block(num_max_tokens_per_rank)

@@ -102,7 +102,8 @@ def run_dispatch(
         A dict of `recv_x`, `recv_scales`, `recv_topk_idx`, `recv_topk_weights`,
         `recv_src_metadata`, `psum_num_recv_tokens_per_rank`, `num_recv_tokens_per_expert`,
         `psum_num_recv_tokens_per_expert`, `num_recv_tokens_per_expert_host` (list or None),
-        `num_recv_tokens` (int), `num_out_rows` (int), `dst_slot_idx` and `state`.
+        `num_recv_tokens` (int), `num_out_rows` (int), `dst_slot_idx`, `num_masked_lanes` (`[1]` int32,
+        fresh dispatches of a buffer with rank masking, else None) and `state`.
     """
     runtime.check_error()
     num_tokens, num_topk = topk_idx.shape
@@ -120,10 +121,11 @@ def run_dispatch(
     num_sms = runtime.comm_grid(num_sms)
     fresh = cached is None
     expand_ranks = fresh and do_expand
-    kernel_specs = [specs.dispatch_spec(*args_common, not fresh)]
+    masking = runtime.rank_masking
+    kernel_specs = [specs.dispatch_spec(*args_common, not fresh, masking)]
     if expand_ranks:
-        kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common))
-    kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand))
+        kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common, masking))
+    kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand, masking))
     loaded = runtime.share.load(kernel_specs)
     dispatch_kernel, epilogue_kernel = loaded[0], loaded[-1]
     op_hash = specs.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk)
@@ -131,7 +133,9 @@ def run_dispatch(
     max_recv = runtime.num_ranks * num_max_tokens_per_rank
     empty = runtime.share.empty
 
-    counts_list, expand_scratch, dst_slot_idx = None, None, None
+    counts_list, expand_scratch, dst_slot_idx, num_masked_lanes = None, None, None, None
+    if fresh and masking:
+        num_masked_lanes = empty((1,), dtype=torch.int32, device=device)  # written by the dispatch kernel
     if fresh:
         slot_idx = empty((num_tokens, runtime.num_ranks), dtype=torch.int32, device=device)
         dst_slot_idx = empty((num_tokens, num_topk), dtype=torch.int32, device=device)
@@ -167,7 +171,8 @@ def run_dispatch(
         layout_scratch=data_ptr(runtime.dispatch_scratch), num_tokens_per_rank=data_ptr(num_tokens_per_rank),
         num_recv_tokens_per_expert=data_ptr(num_recv_per_expert),
         counts_out=data_ptr(runtime.device_counts) if (fresh and do_cpu_sync) else 0,
-        cumulative_stats=data_ptr(cumulative_stats) if fresh else 0, num_tokens=num_tokens,
+        cumulative_stats=data_ptr(cumulative_stats) if fresh else 0, num_masked_lanes=data_ptr(num_masked_lanes),
+        num_tokens=num_tokens,
         num_max_tokens_per_rank=num_max_tokens_per_rank, rank=runtime.rank, num_experts_per_rank=num_local_experts,
         tokens_per_group=tokens_per_group(num_tokens, runtime.num_ranks),
         tokens_per_task=rows_per_task(num_tokens, num_sms, 4), arrival_block=arrival_slots, op_hash=op_hash,
@@ -236,6 +241,7 @@ def run_dispatch(
         "num_recv_tokens": state.num_meta_rows,
         "num_out_rows": state.num_out_rows,
         "dst_slot_idx": dst_slot_idx,
+        "num_masked_lanes": num_masked_lanes,
         "state": state,
     }
 

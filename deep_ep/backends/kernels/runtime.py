@@ -33,6 +33,7 @@ from .layout import (
     ERROR_WORDS,
     HOST_ERROR_PHASE,
     INPUT_OUT_OF_RANGE,
+    MASKED_RANKS_OFFSET,
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
     NUM_RANKS_OFFSET,
@@ -132,13 +133,16 @@ class NvlinkRuntime:
         share: the part of the GPU this rank's kernels may use.
         num_gpu_timeout_secs: deadline of every device-side wait.
         num_cpu_timeout_secs: deadline of every host-side wait.
+        rank_masking: whether the kernels are the ones that honour masked ranks (rank_mask.cuh).
     """
 
     def __init__(
         self, open_windows: Callable[[], PeerWindows], share: DeviceShare, num_gpu_timeout_secs: float,
-        num_cpu_timeout_secs: float,
+        num_cpu_timeout_secs: float, rank_masking: bool = False,
     ) -> None:  # fmt: skip
         self.share = share
+        self.rank_masking = rank_masking
+        self._mask_words: list[torch.Tensor] = []  # pinned sources of mask writes, alive until copied
         self.num_device_sms = share.num_sms
         self.timeout_ns = int(num_gpu_timeout_secs * 1e9)
         self.cpu_timeout_s = float(num_cpu_timeout_secs)
@@ -285,6 +289,21 @@ class NvlinkRuntime:
         else:
             num_sms = self.num_device_sms
         return max(1, min(num_sms, (num_rows + rows_per_cta - 1) // rows_per_cta))
+
+    # ---------------------------------------------------------------- rank masking
+
+    def set_masked_ranks(self, masked_ranks: frozenset[int], stream: torch.cuda.Stream) -> None:
+        """Write the mask into our workspace on `stream` (rank_mask.cuh): every kernel enqueued after it
+        honours it, graph replays included. No host wait: a queued kernel may wait for a peer."""
+        bits = sum(1 << rank for rank in masked_ranks)
+        word = torch.tensor([bits - (1 << 64) if bits >> 63 else bits], dtype=torch.int64).pin_memory()
+        # One source per write (a mask is set a few times at most): a reused one could change under
+        # a copy still in the queue
+        self._mask_words.append(word)
+        with torch.cuda.stream(stream):
+            self.windows.bytes[MASKED_RANKS_OFFSET : MASKED_RANKS_OFFSET + 8].copy_(
+                word.view(torch.uint8), non_blocking=True
+            )
 
     # ---------------------------------------------------------------- barrier
 

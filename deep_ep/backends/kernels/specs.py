@@ -3,7 +3,8 @@
 Each function returns a loaded `deep_ep.jit` kernel for one specialisation. Compile-time constants
 are the shape of the problem that never changes between steps (ranks, hidden bytes, scale bytes,
 top-k, rows per combine slot); token counts are runtime arguments, so a new batch size never
-recompiles. `warmup_specs()` lists the specialisations the tests and benchmarks use, for
+recompiles. `rank_masking` specialises the communication kernels for a buffer with rank masking
+(rank_mask.cuh); without it every test of the mask folds away. `warmup_specs()` lists the specialisations the tests and benchmarks use, for
 `deep-ep jit warmup` and for the CPU compile tests.
 """
 
@@ -37,6 +38,7 @@ class DispatchArgs(ctypes.Structure):
         ("num_recv_tokens_per_expert", ctypes.c_uint64),
         ("counts_out", ctypes.c_uint64),
         ("cumulative_stats", ctypes.c_uint64),
+        ("num_masked_lanes", ctypes.c_uint64),
         ("num_tokens", ctypes.c_int),
         ("num_max_tokens_per_rank", ctypes.c_int),
         ("rank", ctypes.c_int),
@@ -171,46 +173,51 @@ def _bool(value: bool) -> str:
 
 
 @functools.cache
-def dispatch_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, cached: bool) -> KernelSpec:
+def dispatch_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, cached: bool,
+                  rank_masking: bool = False) -> KernelSpec:  # fmt: skip
     return _spec(
         "dispatch",
-        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(cached)),
+        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(cached), _bool(rank_masking)),
         ("deep_ep::DispatchArgs",),
     )
 
 
 @functools.cache
-def dispatch_expand_rank_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int) -> KernelSpec:
+def dispatch_expand_rank_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int,
+                              rank_masking: bool = False) -> KernelSpec:  # fmt: skip
     return _spec(
         "dispatch_expand_rank",
-        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_EXPAND_RANK_THREADS),
+        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_EXPAND_RANK_THREADS, _bool(rank_masking)),
         ("char*", "int", "int", "int", "int*", "int", "int", "int64_t*", "uint64_t"),
     )
 
 
 @functools.cache
-def dispatch_epilogue_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, expand: bool):
+def dispatch_epilogue_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, expand: bool,
+                           rank_masking: bool = False) -> KernelSpec:  # fmt: skip
     return _spec(
         "dispatch_epilogue",
-        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(expand)),
+        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(expand), _bool(rank_masking)),
         ("deep_ep::DispatchEpilogueArgs",),
     )
 
 
 @functools.cache
-def combine_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int, expand: bool) -> KernelSpec:
+def combine_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int, expand: bool,
+                 rank_masking: bool = False) -> KernelSpec:  # fmt: skip
     return _spec(
         "combine",
-        (num_ranks, hidden, num_topk, num_rows, NUM_THREADS, _bool(expand)),
+        (num_ranks, hidden, num_topk, num_rows, NUM_THREADS, _bool(expand), _bool(rank_masking)),
         ("deep_ep::CombineArgs",),
     )
 
 
 @functools.cache
-def combine_epilogue_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int) -> KernelSpec:
+def combine_epilogue_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int,
+                          rank_masking: bool = False) -> KernelSpec:  # fmt: skip
     return _spec(
         "combine_epilogue",
-        (num_ranks, hidden, num_topk, num_rows, NUM_THREADS),
+        (num_ranks, hidden, num_topk, num_rows, NUM_THREADS, _bool(rank_masking)),
         ("deep_ep::CombineEpilogueArgs",),
     )
 
@@ -268,17 +275,19 @@ def load(spec: KernelSpec):
     return get_kernel(spec)
 
 
-def moe_specs(num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8_scale_bytes: tuple[int, ...] = ()):
+def moe_specs(num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8_scale_bytes: tuple[int, ...] = (),
+              rank_masking: bool = False) -> list[KernelSpec]:  # fmt: skip
     """Every specialisation one MoE shape uses: BF16 and each FP8 scale format, both layouts."""
     num_local_experts = num_experts // num_ranks
     specs = [barrier_spec(num_ranks)]
     for hidden_bytes, scale_bytes in [(hidden * 2, 0), *[(hidden, s) for s in fp8_scale_bytes]]:
-        specs += [dispatch_spec(num_ranks, hidden_bytes, scale_bytes, num_topk, c) for c in (False, True)]
-        specs.append(dispatch_expand_rank_spec(num_ranks, hidden_bytes, scale_bytes, num_topk))
-        specs += [dispatch_epilogue_spec(num_ranks, hidden_bytes, scale_bytes, num_topk, e) for e in (False, True)]
+        shape = (num_ranks, hidden_bytes, scale_bytes, num_topk)
+        specs += [dispatch_spec(*shape, c, rank_masking) for c in (False, True)]
+        specs.append(dispatch_expand_rank_spec(*shape, rank_masking))
+        specs += [dispatch_epilogue_spec(*shape, e, rank_masking) for e in (False, True)]
     for num_rows, expand in ((1, False), (1, True), (min(num_topk, num_local_experts), True)):
-        specs.append(combine_spec(num_ranks, hidden, num_topk, num_rows, expand))
-        specs.append(combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows))
+        specs.append(combine_spec(num_ranks, hidden, num_topk, num_rows, expand, rank_masking))
+        specs.append(combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows, rank_masking))
     return list(dict.fromkeys(specs))
 
 

@@ -12,6 +12,7 @@
 #include <deep_ep/common/layout.cuh>
 #include <deep_ep/common/math.cuh>
 #include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/rank_mask.cuh>
 
 namespace deep_ep {
 
@@ -123,12 +124,15 @@ __device__ __forceinline__ void reset_arrival_counters(char* window, int arrival
 
 // Dispatch, receiving side: how many records each source sends us, from the sources' count flags
 // (which must carry `signature`), into `num_recv[kNumRanks]` in shared memory. Every thread of the
-// CTA calls it; returns false on every thread when a wait failed.
-template <int kNumRanks>
+// CTA calls it; returns false on every thread when a wait failed. A masked source sends nothing.
+template <int kNumRanks, bool kMasking>
 __device__ __forceinline__ bool wait_recv_counts(char* window, uint32_t signature, int num_max_tokens_per_rank,
-                                                 int* num_recv, const FaultSink& fault, int rank, uint64_t timeout_ns) {
+                                                 int* num_recv, const FaultSink& fault, int rank, uint64_t timeout_ns,
+                                                 const RankMask<kMasking>& mask) {
     bool ok = true;
-    if (threadIdx.x < kNumRanks) {
+    if (threadIdx.x < kNumRanks and mask.skips(threadIdx.x)) {
+        num_recv[threadIdx.x] = 0;
+    } else if (threadIdx.x < kNumRanks) {
         const int count = wait_count_flag(window, threadIdx.x, signature, num_max_tokens_per_rank, fault, rank,
                                           blockIdx.x, timeout_ns);
         ok = count >= 0;

@@ -26,12 +26,13 @@ __device__ __forceinline__ int* workspace_semaphore(void* workspace, int channel
 }
 
 // Every thread of the CTA must call it. Returns false (on every thread) when a peer missed the
-// deadline or the buffer failed; the error is recorded.
-template <int kNumRanks>
+// deadline or the buffer failed; the error is recorded. Masked peers take no part.
+template <int kNumRanks, bool kMasking>
 __device__ __forceinline__ bool channel_barrier(char* own_window, int rank, int channel, int phase,
-                                                const FaultSink& fault, uint64_t timeout_ns) {
+                                                const FaultSink& fault, uint64_t timeout_ns,
+                                                const RankMask<kMasking>& mask) {
     bool ok = not buffer_failed(fault);
-    if (ok and threadIdx.x < kNumRanks) {
+    if (ok and threadIdx.x < kNumRanks and not mask.skips(threadIdx.x)) {
         const int peer = threadIdx.x;
         void* const* peers = peer_window_table(own_window);
         // Release everything this CTA wrote (to any rank) before the peer may read it.
@@ -95,14 +96,15 @@ __device__ __forceinline__ bool grid_barrier(int* arrive, int* generation, int t
 // A communication kernel's entry: every rank's window base into shared memory, and the wait until
 // every peer's window takes our writes (credits.cuh), which also stops the kernel when the buffer
 // has failed. Every thread of the CTA calls it; returns false (on every thread) when a peer missed
-// the deadline or the buffer failed.
-template <int kNumRanks>
+// the deadline or the buffer failed. Masked peers are not waited for.
+template <int kNumRanks, bool kMasking>
 __device__ __forceinline__ bool open_peer_windows(char* own_window, void** smem_peer_windows, int rank, int phase,
-                                                  const FaultSink& fault, uint64_t timeout_ns) {
+                                                  const FaultSink& fault, uint64_t timeout_ns,
+                                                  const RankMask<kMasking>& mask) {
     bool ok = true;
     if (threadIdx.x < kNumRanks) {
         smem_peer_windows[threadIdx.x] = peer_window_table(own_window)[threadIdx.x];
-        ok = wait_window_credit(own_window, threadIdx.x, rank, phase, fault, timeout_ns);
+        ok = mask.skips(threadIdx.x) or wait_window_credit(own_window, threadIdx.x, rank, phase, fault, timeout_ns);
     }
     return __syncthreads_and(ok);
 }

@@ -36,10 +36,11 @@ __device__ __forceinline__ bool wait_window_credit(char* own_window, int peer, i
 // arrival counters (`num_slots(s)` slots from each source s) and, with `clear_recv_counts`, the
 // dispatch count flags to zero, counts the operation in the epoch and posts it to every rank as our
 // credit. After a failure (fault.cuh) it does none of that: the window is left as it is and no peer
-// may write into it again.
-template <int kNumRanks, typename NumSlots>
+// may write into it again. Masked peers get no credit (they may be gone).
+template <int kNumRanks, bool kMasking, typename NumSlots>
 __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arrival_block, bool clear_recv_counts,
-                                                const FaultSink& fault, NumSlots num_slots) {
+                                                const FaultSink& fault, const RankMask<kMasking>& mask,
+                                                NumSlots num_slots) {
     __shared__ bool is_last;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -60,7 +61,7 @@ __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arri
     const int epoch = static_cast<int>(static_cast<unsigned>(*epoch_word) + 1u);
     __syncthreads();
     if (threadIdx.x == 0) *epoch_word = epoch;
-    if (threadIdx.x < kNumRanks) {
+    if (threadIdx.x < kNumRanks and not mask.skips(threadIdx.x)) {
         void* peer = reinterpret_cast<void* const*>(window + kPeerWindowsOffset)[threadIdx.x];
         // The CTA's resets (ordered before this thread by the barrier) and the epoch first
         fence_acq_rel_sys();
@@ -74,21 +75,22 @@ __device__ __forceinline__ int* op_signatures(void* window) {
 
 // A communication kernel's CTA 0 leaves its operation's signature in every peer's workspace (after
 // its credits: the peer's previous epilogue has checked the previous one). Every thread calls it.
-template <int kNumRanks>
-__device__ __forceinline__ void post_op_signature(void* const* peer_windows, int rank, uint32_t signature) {
-    if (blockIdx.x == 0 and threadIdx.x < kNumRanks)
+template <int kNumRanks, bool kMasking>
+__device__ __forceinline__ void post_op_signature(void* const* peer_windows, int rank, uint32_t signature,
+                                                  const RankMask<kMasking>& mask) {
+    if (blockIdx.x == 0 and threadIdx.x < kNumRanks and not mask.skips(threadIdx.x))
         st_relaxed_sys(op_signatures(peer_windows[threadIdx.x]) + rank, static_cast<int>(signature));
 }
 
 // An epilogue's check that every peer runs this operation too: each peer's communication kernel
 // leaves its signature in our workspace right after its window credits, before any data. Every
 // thread of the CTA calls it; returns false (on every thread) when a peer runs another operation
-// (a failure, recorded) or the wait failed.
-template <int kNumRanks>
+// (a failure, recorded) or the wait failed. Masked peers are not checked.
+template <int kNumRanks, bool kMasking>
 __device__ __forceinline__ bool wait_op_signatures(char* window, uint32_t signature, const FaultSink& fault, int rank,
-                                                   uint64_t timeout_ns) {
+                                                   uint64_t timeout_ns, const RankMask<kMasking>& mask) {
     bool ok = true;
-    if (threadIdx.x < kNumRanks) {
+    if (threadIdx.x < kNumRanks and not mask.skips(threadIdx.x)) {
         const int* word = op_signatures(window) + threadIdx.x;
         const uint32_t epoch_bits = signature >> 16;
         // Zero: never written (a signature never is zero, also at epoch 0)

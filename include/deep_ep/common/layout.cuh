@@ -46,6 +46,8 @@ constexpr int64_t kFaultReportedOffset = kEpilogueTaskQueueOffset + 8;
 // This rank and the number of ranks, written by the host when the window is created
 constexpr int64_t kRankOffset = kFaultReportedOffset + 4;
 constexpr int64_t kNumRanksOffset = kRankOffset + 4;
+// The masked ranks (rank_mask.cuh), bit r for rank r, written by the host (ElasticBuffer.mask_ranks)
+constexpr int64_t kMaskedRanksOffset = kStatusOffset + 56;
 constexpr int64_t kCreditOffset = kStatusOffset + 64;
 // Every rank's window base (this rank's own by the address its allocation has, so that every access
 // to our window goes through one virtual address), written by the host when the window is created
@@ -67,7 +69,9 @@ constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
 constexpr int64_t kArrivalOffset = 384 * 1024;
 constexpr int kMaxArrivalBlocks = 512;  // per source rank
 constexpr int64_t kWorkspaceBytes = 512 * 1024;
-static_assert(kStatusOffset % 8 == 0 and kNumRanksOffset + 4 <= kCreditOffset, "workspace overflow");
+static_assert(kStatusOffset % 8 == 0 and kNumRanksOffset + 4 <= kMaskedRanksOffset and
+                  kMaskedRanksOffset + 8 <= kCreditOffset,
+              "workspace overflow");
 static_assert(kPeerWindowsOffset % 8 == 0 and
                   kPeerMessageOffset + int64_t(kMaxRanks) * kPeerMessageBytes <= kRecvExpertCountOffset,
               "workspace overflow");
@@ -81,6 +85,8 @@ static_assert(kArrivalOffset + int64_t(kMaxRanks) * kMaxArrivalBlocks * sizeof(i
 // per-(token group, destination) counts, and per-expert token counts.
 constexpr int kScratchArrive = 0;
 constexpr int kScratchGeneration = 1;
+// Lanes a fresh dispatch dropped under rank masking (all CTAs add, CTA 0 reports and resets)
+constexpr int kScratchMaskedLanes = 2;
 // Token groups x destination ranks: every dispatch CTA keeps the groups' first slots in shared memory
 constexpr int kMaxGroupInts = 4096;
 // Token groups per destination: a warp scans them with a fixed number per lane (one batch of loads)

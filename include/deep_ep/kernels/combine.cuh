@@ -43,7 +43,7 @@ struct CombineArgs {
     uint64_t timeout_ns;
 };
 
-template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kExpand>
+template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kExpand, bool kRankMasking>
 __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args) {
     using Slot = CombineSlot<kHidden, kNumTopk>;
     constexpr bool kLaneSlots = kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
@@ -66,13 +66,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
                                   min(psum_src[s] + args.num_max_tokens_per_rank, num_rows_limit));
     }
     // Sources' windows take our rows once they are done with what we sent before
+    // A masked source sent us nothing (the handle's counts say so): only the waits must leave it out
     const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
+    const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(args.window_base, args.rank);
     const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
     if (!open_peer_windows<kNumRanks>(args.window_base, peer_windows, args.rank, kPhaseCombineEntry, fault,
-                                      args.timeout_ns))
+                                      args.timeout_ns, mask))
         return;
     // Every source's epilogue checks that we run the same operation before it reads a row of ours
-    post_op_signature<kNumRanks>(peer_windows, args.rank, op_signature(epoch, args.op_hash));
+    post_op_signature<kNumRanks>(peer_windows, args.rank, op_signature(epoch, args.op_hash), mask);
 
     // The epilogue may launch now (programmatic dependent launch); it follows the arrival counters
     griddep_launch_dependents();

@@ -51,7 +51,7 @@ struct CombineEpilogueArgs {
     uint64_t timeout_ns;
 };
 
-template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads>
+template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kRankMasking>
 __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineEpilogueArgs args) {
     using Slot = CombineSlot<kHidden, kNumTopk>;
     constexpr bool kLaneSlots = kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
@@ -61,9 +61,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
     constexpr int kNumParts = num_copy_parts<kRowVectors, kUnroll>();
     constexpr int kRanksPerLane = ceil_div(kNumRanks, 32);
     const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
+    const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(args.window_base, args.rank);
     const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
     bool warp_ok = wait_op_signatures<kNumRanks>(args.window_base, op_signature(epoch, args.op_hash), fault, args.rank,
-                                                 args.timeout_ns);
+                                                 args.timeout_ns, mask);
 
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     // Lane d % 32 watches holder d: how many rows it sends back, the last block seen complete
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
 
     // The last CTA out also makes the kernel complete only after the combine kernel, as a plain
     // launch would
-    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, false, fault, [&](int d) {
+    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, false, fault, mask, [&](int d) {
         return min(max(args.num_tokens_per_rank[d], 0), args.num_max_tokens_per_rank);
     });
 }

@@ -23,6 +23,8 @@
 // A bad row sends nothing at all: the handle's slots are all -1 and the first bad value goes to the
 // error block, for the host to raise (without a CPU sync, at its next call).
 // Cached dispatch: the slots come from the handle (any outside [0, num_max_tokens_per_rank) is skipped).
+// With rank masking (kRankMasking, rank_mask.cuh) a fresh dispatch drops the lanes of masked ranks'
+// experts and counts them, and no kernel waits on a masked rank or writes into its window.
 // A rank's records for itself carry only their metadata: the epilogue reads the payload from `x`.
 
 #include <climits>
@@ -51,6 +53,7 @@ struct DispatchArgs {
     int* counts_out;                  // [num_ranks + num_experts_per_rank + 1] for the host (recv per source,
                                       // recv per local expert, invalid-input flag), or null
     int* cumulative_stats;            // [num_experts_per_rank] incremented in place, or null
+    int* num_masked_lanes;            // [1]: the valid lanes rank masking dropped (fresh), or null
     int num_tokens;
     int num_max_tokens_per_rank;
     int rank;
@@ -63,11 +66,12 @@ struct DispatchArgs {
     uint64_t timeout_ns;
 };
 
-// The destination ranks of token t (bit d: one of its experts lives on d); sets `is_bad` for an
-// expert id outside [-1, num_experts) or an expert repeated in the row.
+// The destination ranks of token t (bit d: one of its experts lives on d, and d is not among
+// `dropped_ranks`); sets `is_bad` for an expert id outside [-1, num_experts) or an expert repeated
+// in the row.
 template <int kNumRanks, int kNumTopk>
 __device__ __forceinline__ uint64_t token_rank_mask(const int64_t* topk_idx, int t, int num_experts_per_rank,
-                                                    bool& is_bad) {
+                                                    uint64_t dropped_ranks, bool& is_bad) {
     int64_t experts[kNumTopk];
 #pragma unroll
     for (int k = 0; k < kNumTopk; ++k) experts[k] = __ldg(topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
@@ -83,7 +87,7 @@ __device__ __forceinline__ uint64_t token_rank_mask(const int64_t* topk_idx, int
 #pragma unroll
         for (int j = 0; j < k; ++j) is_bad |= expert >= 0 and expert == experts[j];
     }
-    return mask;
+    return mask & ~dropped_ranks;
 }
 
 // The first invalid (row, lane) of `topk_idx` in row-major order goes to the error block, for the
@@ -116,7 +120,8 @@ __device__ __forceinline__ void report_invalid_topk(const int64_t* topk_idx, int
     }
 }
 
-template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kCached>
+template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kCached,
+          bool kRankMasking>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs args) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     constexpr int kNumWarps = kNumThreads / 32;
@@ -149,16 +154,19 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     __shared__ int cta_expert_counts[kCached ? 1 : kMaxSharedExpertCounts];
     char* own_window = args.window_base;
     const FaultSink fault = make_fault_sink(own_window, args.error_block);
+    const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(own_window, args.rank);
+    const uint64_t dropped_ranks = mask.dropped_ranks();
     // This operation's epoch (the number of operations this rank completed on the buffer), read
     // before anything can change it: the grid barrier's tag and the signature of our count flags
     const int epoch = *reinterpret_cast<const int*>(own_window + kEpochOffset);
     const uint32_t signature = op_signature(epoch, args.op_hash);
     // Peers' windows take our records once they are done with what we sent before (their count
     // flags and arrival counters are zero again)
-    if (!open_peer_windows<kNumRanks>(own_window, peer_windows, args.rank, kPhaseDispatchEntry, fault, args.timeout_ns))
+    if (!open_peer_windows<kNumRanks>(own_window, peer_windows, args.rank, kPhaseDispatchEntry, fault, args.timeout_ns,
+                                      mask))
         return;
     // Every destination's epilogue checks that we run the same operation before it reads our records
-    post_op_signature<kNumRanks>(peer_windows, args.rank, signature);
+    post_op_signature<kNumRanks>(peer_windows, args.rank, signature, mask);
 
     const int channel = blockIdx.x, num_channels = gridDim.x;
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
@@ -182,14 +190,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
         __syncthreads();
         // Every warp counts whole groups (any of them: only the counts leave this pass), adds its
         // tokens per expert to the CTA's counts and validates its rows
+        int num_dropped = 0;  // by this lane (rank masking)
         for (int g = channel * kNumWarps + warp_idx; g < num_groups; g += num_channels * kNumWarps) {
             int num_hits[kRanksPerLane] = {};
             for (int base = g * tokens_per_group; base < group_end(g); base += 32) {
                 const int t = base + lane_idx;
                 bool is_bad_row = false;
-                const uint64_t mask = t < group_end(g) ? token_rank_mask<kNumRanks, kNumTopk>(
-                                                             args.topk_idx, t, num_local_experts, is_bad_row)
-                                                       : 0;
+                const uint64_t ranks = t < group_end(g) ? token_rank_mask<kNumRanks, kNumTopk>(
+                                                              args.topk_idx, t, num_local_experts, dropped_ranks,
+                                                              is_bad_row)
+                                                        : 0;
                 is_bad |= is_bad_row;
                 if (t < group_end(g) and not is_bad_row) {
 #pragma unroll
@@ -197,6 +207,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
                         // Two calls, not one on a selected pointer: a shared-memory add then compiles to
                         // ATOMS rather than a generic atomic
                         const int64_t expert = __ldg(args.topk_idx + static_cast<int64_t>(t) * kNumTopk + k);
+                        if constexpr (kRankMasking) {
+                            if (expert >= 0 and (dropped_ranks >> (expert / num_local_experts)) & 1) {
+                                ++num_dropped;
+                                continue;
+                            }
+                        }
                         if (expert >= kMaxSharedExpertCounts)
                             atomicAdd(scratch + kScratchExpertCounts + expert, 1);
                         else if (expert >= 0)
@@ -205,7 +221,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
                 }
 #pragma unroll
                 for (int d = 0; d < kNumRanks; ++d) {
-                    const int hits = __popc(__ballot_sync(0xffffffff, (mask >> d) & 1));
+                    const int hits = __popc(__ballot_sync(0xffffffff, (ranks >> d) & 1));
                     if (lane_idx == d % 32) num_hits[d / 32] += hits;
                 }
             }
@@ -213,6 +229,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
             for (int j = 0; j < kRanksPerLane; ++j)
                 if (j * 32 + lane_idx < kNumRanks) group_counts[g * kNumRanks + j * 32 + lane_idx] = num_hits[j];
         }
+        if constexpr (kRankMasking)
+            if (num_dropped != 0) atomicAdd(scratch + kScratchMaskedLanes, num_dropped);
         is_bad = __syncthreads_or(is_bad);
         if (threadIdx.x == 0) scratch[kScratchChannelBad + channel] = is_bad;
         for (int e = threadIdx.x; e < num_shared_experts; e += kNumThreads)
@@ -255,6 +273,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
             if (lane_idx == 31) rank_total[d] = inclusive;
         }
         is_bad = __syncthreads_or(any_bad);
+        if constexpr (kRankMasking) {
+            // Every CTA added its dropped lanes before the barrier; the next fresh dispatch starts from zero
+            if (channel == 0 and threadIdx.x == 0) {
+                if (args.num_masked_lanes != nullptr) *args.num_masked_lanes = __ldcg(scratch + kScratchMaskedLanes);
+                scratch[kScratchMaskedLanes] = 0;
+            }
+        }
         if (channel == 0 and threadIdx.x < kNumRanks)
             args.num_tokens_per_rank[threadIdx.x] = is_bad ? 0 : rank_total[threadIdx.x];
         if (is_bad) {
@@ -276,6 +301,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     // Tell destinations channel, channel + grid, ... how many tokens, and (fresh) how many per local
     // expert, they get from us
     for (int d = channel; d < kNumRanks; d += num_channels) {
+        if (mask.skips(d)) continue;  // the same on every thread
         char* peer = static_cast<char*>(peer_windows[d]);
         if constexpr (not kCached) {
             // Hand over our per-expert counts for `d` and return their scratch to zero
@@ -361,23 +387,25 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
             for (int base = g * tokens_per_group; base < task_begin; base += 32) {
                 const int t = base + lane_idx;
                 bool unused = false;
-                const uint64_t mask =
-                    t < task_begin ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, unused)
-                                   : 0;
+                const uint64_t ranks = t < task_begin ? token_rank_mask<kNumRanks, kNumTopk>(
+                                                            args.topk_idx, t, num_local_experts, dropped_ranks, unused)
+                                                      : 0;
 #pragma unroll
                 for (int d = 0; d < kNumRanks; ++d) {
-                    const int hits = __popc(__ballot_sync(0xffffffff, (mask >> d) & 1));
+                    const int hits = __popc(__ballot_sync(0xffffffff, (ranks >> d) & 1));
                     if (lane_idx == d % 32) num_before[d / 32] += hits;
                 }
             }
             const int t = task_begin + lane_idx;
             bool unused = false;
-            const uint64_t mask =
-                t < task_end ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, unused) : 0;
+            const uint64_t ranks =
+                t < task_end
+                    ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, dropped_ranks, unused)
+                    : 0;
             const uint32_t lanes_below = (1u << lane_idx) - 1;
 #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
-                const bool hit = (mask >> d) & 1;
+                const bool hit = (ranks >> d) & 1;
                 const uint32_t hits = __ballot_sync(0xffffffff, hit);
                 const int first = __shfl_sync(0xffffffff, num_before[d / 32], d % 32);
                 if (t < task_end)
@@ -448,13 +476,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
         if (channel == args.rank % num_channels) {
             __shared__ int num_recv[kNumRanks];
             if (!wait_recv_counts<kNumRanks>(own_window, signature, args.num_max_tokens_per_rank, num_recv, fault,
-                                             args.rank, args.timeout_ns))
+                                             args.rank, args.timeout_ns, mask))
                 return;
             const int* recv_expert_counts = reinterpret_cast<const int*>(own_window + kRecvExpertCountOffset);
             for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
                 int sum = 0;
                 for (int s = 0; s < kNumRanks; ++s)
-                    sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
+                    if (not mask.skips(s)) sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
                 args.num_recv_tokens_per_expert[e] = sum;
                 if (args.counts_out != nullptr) args.counts_out[kNumRanks + e] = sum;
                 if (args.cumulative_stats != nullptr and not is_bad) args.cumulative_stats[e] += sum;

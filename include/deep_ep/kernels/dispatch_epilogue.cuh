@@ -56,7 +56,8 @@ struct DispatchEpilogueArgs {
     uint64_t timeout_ns;
 };
 
-template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kExpand>
+template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kExpand,
+          bool kRankMasking>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(DispatchEpilogueArgs args) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     constexpr int kNumWarps = kNumThreads / 32;
@@ -75,11 +76,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
     // on a failure, which the count wait then sees)
     if (args.expand_rank_in_expert != nullptr) griddep_wait();
     const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
+    const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(args.window_base, args.rank);
     const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
     const uint32_t signature = op_signature(epoch, args.op_hash);
-    bool ok = wait_op_signatures<kNumRanks>(args.window_base, signature, fault, args.rank, args.timeout_ns) and
+    bool ok = wait_op_signatures<kNumRanks>(args.window_base, signature, fault, args.rank, args.timeout_ns, mask) and
               wait_recv_counts<kNumRanks>(args.window_base, signature, args.num_max_tokens_per_rank, num_recv, fault,
-                                          args.rank, args.timeout_ns);
+                                          args.rank, args.timeout_ns, mask);
     const bool is_drain = args.drain_only;
     if (is_drain)
         ok = ok and wait_all_arrivals<kNumRanks>(args.window_base, num_recv, args.arrival_block, fault, args.rank,
@@ -99,7 +101,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
             if (args.is_cached)
                 sum = args.num_recv_tokens_per_expert[e];
             else
-                for (int s = 0; s < kNumRanks; ++s) sum += ld_relaxed_sys(window_counts + s * kMaxLocalExperts + e);
+                for (int s = 0; s < kNumRanks; ++s)
+                    if (not mask.skips(s)) sum += ld_relaxed_sys(window_counts + s * kMaxLocalExperts + e);
             num_per_expert[e] = sum;
         }
         __syncthreads();
@@ -260,7 +263,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
 
     // The last CTA out also makes the kernel complete only after the dispatch kernel (its handle
     // outputs), as a plain launch would
-    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, true, fault,
+    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, true, fault, mask,
                                [&](int s) { return num_recv[s]; });
 }
 

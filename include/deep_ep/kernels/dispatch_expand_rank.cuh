@@ -15,7 +15,7 @@
 
 namespace deep_ep {
 
-template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads>
+template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kRankMasking>
 __global__ void __launch_bounds__(kNumThreads, 1)
     dispatch_expand_rank_impl(char* window_base, int num_max_tokens_per_rank, int rank, int num_experts_per_rank,
                               int* expand_rank_in_expert, int arrival_block, int op_hash, int64_t* error_block,
@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const FaultSink fault = make_fault_sink(window_base, error_block);
     const int epoch = *reinterpret_cast<const int*>(window_base + kEpochOffset);
     if (!wait_recv_counts<kNumRanks>(window_base, op_signature(epoch, op_hash), num_max_tokens_per_rank, num_recv,
-                                     fault, rank, timeout_ns))
+                                     fault, rank, timeout_ns, load_rank_mask<kRankMasking>(window_base, rank)))
         return;
     if (!wait_all_arrivals<kNumRanks>(window_base, num_recv, arrival_block, fault, rank, timeout_ns)) return;
 
