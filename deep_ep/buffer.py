@@ -157,6 +157,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         *,
         backend: str = "auto",
         enable_rank_masking: bool = False,
+        mask_ranks_on_timeout: bool = False,
     ) -> None:
         """Create the buffer on every rank of `group` (collective).
 
@@ -181,7 +182,10 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             backend: ours, keyword-only after V2's arguments: `'auto'`, `'kernels'` or `'reference'` (see
                 `select_backend_class`).
             enable_rank_masking: ours: allow `mask_ranks` (dispatches drop the lanes of masked ranks;
-                docs/semantics.md). The reference backend has it; the kernels do not yet.
+                docs/semantics.md, "Rank masking"). Both backends have it.
+            mask_ranks_on_timeout: ours, with `enable_rank_masking`: a peer whose start of an operation
+                does not come within `num_gpu_timeout_secs` is masked instead of the buffer failing
+                (the kernels backend only; docs/semantics.md).
 
         Every argument keeps V2's position, so a positional V2 call binds the same parameters.
         """
@@ -255,7 +259,14 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         if self.enable_rank_masking and not backend_class.supports_rank_masking:
             raise ValueError(
                 f"{op}: `enable_rank_masking`=True needs a backend that masks ranks, got the {backend_class.name!r} "
-                "backend, which does not yet (pass backend='reference')"
+                "backend, which does not (pass backend='kernels' or 'reference')"
+            )
+        self.mask_ranks_on_timeout = as_bool(op, "mask_ranks_on_timeout", mask_ranks_on_timeout)
+        if self.mask_ranks_on_timeout and not (self.enable_rank_masking and backend_class.supports_mask_on_timeout):
+            raise ValueError(
+                f"{op}: `mask_ranks_on_timeout`=True needs `enable_rank_masking`=True and a backend whose waits can "
+                f"mask a peer (backend='kernels'), got enable_rank_masking={self.enable_rank_masking} and the "
+                f"{backend_class.name!r} backend"
             )
         self._masked_ranks: frozenset[int] = frozenset()
         self.buffer_id = next(_buffer_ids)
@@ -299,6 +310,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             num_cpu_timeout_secs=num_cpu_timeout_secs,
             num_gpu_timeout_secs=num_gpu_timeout_secs,
             enable_rank_masking=self.enable_rank_masking,
+            mask_ranks_on_timeout=self.mask_ranks_on_timeout,
             num_scaleup_ranks=self.num_scaleup_ranks,
         )
         self._failure: str | None = None
@@ -462,13 +474,15 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         self._masked_ranks = masked
 
     def get_masked_ranks(self) -> list[int]:
-        """The masked ranks, ascending (empty without rank masking)."""
-        return sorted(self._masked_ranks)
+        """The masked ranks, ascending (empty without rank masking): those given to `mask_ranks`, and with
+        `mask_ranks_on_timeout` those whose waits expired (read from the device: a host wait)."""
+        timed_out = self.backend.timed_out_ranks() if self.backend is not None else frozenset()
+        return sorted(self._masked_ranks | timed_out)
 
     def _check_handle_mask(self, op: str, handle: EPHandle | None) -> None:
         if handle is not None and self.enable_rank_masking and handle.masked_ranks != self._masked_ranks:
             raise ValueError(
-                f"{op}: `handle` must come from a dispatch under the current mask ({self.get_masked_ranks()}), got one "
+                f"{op}: `handle` must come from a dispatch under the current mask ({sorted(self._masked_ranks)}), got one "
                 f"made with masked ranks {sorted(handle.masked_ranks)}; dispatch again"
             )
 

@@ -136,12 +136,14 @@ def real_rows(handle: Any) -> tuple[torch.Tensor, int, int]:
     return torch.tensor(rows, dtype=torch.long, device=device), num_recv, offset
 
 
-def check_dispatch(out_k: tuple, out_r: tuple, do_expand: bool, zero_padding: bool, what: str = "dispatch") -> Any:
-    """Compare a kernels dispatch's return tuple with the reference's; returns the kernels' handle."""
+def check_dispatch(out_k: tuple, out_r: tuple, do_expand: bool, zero_padding: bool, what: str = "dispatch",
+                   send_side: bool = True) -> Any:  # fmt: skip
+    """Compare a kernels dispatch's return tuple with the reference's; returns the kernels' handle.
+    Without `send_side`, only what this rank received (not where its own tokens went)."""
     recv_k, idx_k, w_k, h_k, _ = out_k
     recv_r, idx_r, w_r, h_r, _ = out_r
     for name in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
-                 "num_unaligned_recv_tokens_per_expert", "dst_buffer_slot_idx"):  # fmt: skip
+                 "num_unaligned_recv_tokens_per_expert", *(("dst_buffer_slot_idx",) if send_side else ())):  # fmt: skip
         equal(getattr(h_k, name), getattr(h_r, name), f"{what}: handle.{name}")
     assert h_k.num_recv_tokens_per_expert_list == h_r.num_recv_tokens_per_expert_list, f"{what}: per-expert list"
     assert (h_k.num_recv_tokens, h_k.num_expanded_tokens) == (h_r.num_recv_tokens, h_r.num_expanded_tokens), what

@@ -37,6 +37,8 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kOpSignatureOffset == {layout.OP_SIGNATURE_OFFSET});",
         f"static_assert(deep_ep::kPeerMessageOffset == {layout.PEER_MESSAGE_OFFSET});",
         f"static_assert(deep_ep::kPeerMessageBytes == {layout.PEER_MESSAGE_BYTES});",
+        f"static_assert(deep_ep::kMaskOnTimeoutOffset == {layout.MASK_ON_TIMEOUT_OFFSET});",
+        f"static_assert(deep_ep::kTimedOutRanksOffset == {layout.TIMED_OUT_RANKS_OFFSET});",
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
         f"static_assert(deep_ep::kArrivalOffset == {layout.ARRIVAL_OFFSET});",
         f"static_assert(deep_ep::kMaxArrivalBlocks == {layout.MAX_ARRIVAL_BLOCKS});",

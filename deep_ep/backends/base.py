@@ -81,6 +81,8 @@ class BufferConfig:
         num_cpu_timeout_secs: the deadline of every host-side wait.
         num_gpu_timeout_secs: the deadline of every device-side wait.
         enable_rank_masking: whether dispatches honour masked ranks (`DispatchRequest.masked_ranks`).
+        mask_ranks_on_timeout: rank masking's automatic mode: a peer whose wait expires is masked
+            instead of the buffer failing (`EPBackend.supports_mask_on_timeout`).
         num_scaleup_ranks: ranks per logical scale-up domain (consecutive ranks); fewer than
             `num_ranks` in hybrid mode, whose combine reduces each domain's partials first (`0`: all).
     """
@@ -101,6 +103,7 @@ class BufferConfig:
     num_cpu_timeout_secs: float
     num_gpu_timeout_secs: float
     enable_rank_masking: bool = False
+    mask_ranks_on_timeout: bool = False
     num_scaleup_ranks: int = 0
 
 
@@ -387,6 +390,7 @@ class EPBackend(abc.ABC):
     supports_graph_capture: ClassVar[bool] = False
     # True: honours `DispatchRequest.masked_ranks` (`ElasticBuffer(enable_rank_masking=True)`)
     supports_rank_masking: ClassVar[bool] = False
+    supports_mask_on_timeout: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         self.group = group
@@ -431,6 +435,10 @@ class EPBackend(abc.ABC):
     def fail(self, op: str, error: BaseException) -> None:  # noqa: B027 (optional hook)
         """`op` raised `error` on this rank after `announce`: tell the peers where a backend can
         (they may wait in this operation for this rank). The default does nothing."""
+
+    def timed_out_ranks(self) -> frozenset[int]:
+        """The peers masked by rank masking's automatic mode so far (their waits expired); none by default."""
+        return frozenset()
 
     def set_masked_ranks(self, masked_ranks: frozenset[int]) -> None:  # noqa: B027 (optional hook)
         """The mask changed (`ElasticBuffer.mask_ranks`, local): a backend that keeps it on the device

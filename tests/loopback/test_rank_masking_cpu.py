@@ -92,6 +92,15 @@ def test_mask_ranks_checks_its_arguments(group: dist.ProcessGroup) -> None:
     buffer.destroy()
 
 
+def test_mask_ranks_on_timeout_needs_rank_masking_and_the_kernels(group: dist.ProcessGroup) -> None:
+    with pytest.raises(ValueError, match=r"`mask_ranks_on_timeout`=True needs `enable_rank_masking`=True and a "
+                                         r"backend .* got enable_rank_masking=False and the 'reference' backend"):  # fmt: skip
+        deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=8, hidden=128, mask_ranks_on_timeout=True)
+    with pytest.raises(ValueError, match=r"got enable_rank_masking=True and the 'reference' backend"):
+        deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=8, hidden=128, enable_rank_masking=True,
+                              mask_ranks_on_timeout=True)  # fmt: skip
+
+
 def test_a_backend_without_rank_masking_refuses_it_at_construction(
     group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:

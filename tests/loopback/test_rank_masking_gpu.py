@@ -2,6 +2,9 @@
 middle of a run, the other 7 mask it and go on, bitwise equal to `deep_ep.reference` given the
 routing with rank 5's lanes removed (`docs/semantics.md`, "Rank masking"), in eager calls and in
 replays of a CUDA graph captured before rank 5 stopped (the mask lives on the device: no re-capture).
+Manually (the survivors call `mask_ranks([5])`) and automatically (`mask_ranks_on_timeout`: their
+first wait on rank 5 expires and masks it; in that first operation only what they receive is checked,
+since their own tokens for rank 5 had left before it was masked).
 
 Rank 5 never touches its kernels buffer again once it stops; it still makes the reference buffer's
 calls (with every lane of its own `-1`, what masking means for it), because the reference's torch
@@ -32,12 +35,14 @@ def _seed() -> int:
     return int(os.environ.get("EP_TEST_SEED", time.time_ns() % 1_000_000))
 
 
-def _buffers(group: dist.ProcessGroup) -> tuple:
+def _buffers(group: dist.ProcessGroup, automatic: bool) -> tuple:
     import deep_ep
 
+    # Automatic mode: the deadline is what the survivors' first operation without rank 5 waits
     common = dict(num_max_tokens_per_rank=TMAX, hidden=HIDDEN, num_topk=NUM_TOPK, explicitly_destroy=True,
-                  num_gpu_timeout_secs=10, num_cpu_timeout_secs=60)  # fmt: skip
-    kbuf = deep_ep.ElasticBuffer(group, backend="kernels", enable_rank_masking=True, **common)
+                  num_gpu_timeout_secs=1 if automatic else 10, num_cpu_timeout_secs=60)  # fmt: skip
+    kbuf = deep_ep.ElasticBuffer(group, backend="kernels", enable_rank_masking=True, mask_ranks_on_timeout=automatic,
+                                 **common)  # fmt: skip
     rbuf = deep_ep.ElasticBuffer(group, backend="reference", **common)
     return kbuf, rbuf
 
@@ -67,8 +72,10 @@ def _combine_rows(handle, do_expand: bool, seed: int, rank: int) -> torch.Tensor
     return (torch.randn((num_rows, HIDDEN), generator=gen) * 4).to(torch.bfloat16).cuda()
 
 
-def _eager_step(rank: int, kbuf, rbuf, dtype: str, do_expand: bool, masked: bool, seed: int) -> int:
-    """One dispatch and combine on both buffers (the kernels only where this rank runs), checked."""
+def _eager_step(rank: int, kbuf, rbuf, dtype: str, do_expand: bool, masked: bool, seed: int,
+                transition: bool = False) -> int:  # fmt: skip
+    """One dispatch and combine on both buffers (the kernels only where this rank runs), checked; in
+    the `transition` (the operation whose waits mask rank 5) only what this rank received."""
     from kernel_checks import check_dispatch, equal
 
     x, topk_idx, weights, bias = _inputs(rank, dtype, seed)
@@ -84,8 +91,9 @@ def _eager_step(rank: int, kbuf, rbuf, dtype: str, do_expand: bool, masked: bool
     if not runs_kernels:
         return 0
     what = f"EP{NUM_RANKS} {dtype} expand={do_expand} masked={masked} rank {rank}"
-    check_dispatch(out_k, out_r, do_expand, False, what)
-    assert int(out_k[3].num_masked_lanes[0]) == _num_dropped(topk_idx, routing), what
+    check_dispatch(out_k, out_r, do_expand, False, what, send_side=not transition)
+    expected_dropped = 0 if transition else _num_dropped(topk_idx, routing)
+    assert int(out_k[3].num_masked_lanes[0]) == expected_dropped, what
     comb_k = kbuf.combine(rows, out_k[3], bias=bias)
     equal(comb_k[0], comb_r[0], f"{what}: combined_x")
     equal(comb_k[1], comb_r[1], f"{what}: combined_topk_weights")
@@ -93,8 +101,8 @@ def _eager_step(rank: int, kbuf, rbuf, dtype: str, do_expand: bool, masked: bool
     return 1
 
 
-def _eager_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict:
-    kbuf, rbuf = _buffers(group)
+def _eager_rank(rank: int, group: dist.ProcessGroup, seed: int, automatic: bool) -> dict:
+    kbuf, rbuf = _buffers(group, automatic)
     outcome = {"before": 0, "after": 0}
     step = 0
     for dtype in ("bf16", "fp32"):
@@ -104,8 +112,14 @@ def _eager_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict:
     # Rank 5 stops here: every kernel it queued has run, and it never calls its kernels buffer again
     torch.cuda.current_stream().synchronize()
     dist.barrier(group=group)
-    if rank != STOPPED:
+    if rank != STOPPED and not automatic:
         kbuf.mask_ranks([STOPPED])
+    if automatic:
+        started = time.monotonic()
+        outcome["after"] += _eager_step(rank, kbuf, rbuf, "bf16", False, True, seed + step, transition=True)
+        outcome["transition_s"] = time.monotonic() - started
+        step += 1
+    if rank != STOPPED:
         outcome["masked"] = kbuf.get_masked_ranks()
     for dtype in ("bf16", "fp32"):
         for do_expand in (False, True):
@@ -121,24 +135,30 @@ def _eager_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict:
     return outcome
 
 
-def test_eager_calls_go_on_without_a_stopped_rank_bitwise_equal_to_the_reference():
-    seed = _seed()
+@pytest.mark.parametrize("mode", ["manual", "automatic"])
+def test_eager_calls_go_on_without_a_stopped_rank_bitwise_equal_to_the_reference(mode: str):
+    seed, automatic = _seed(), mode == "automatic"
     world = LoopbackWorld(NUM_RANKS)
-    outcomes = world.run(_eager_rank, seed)
+    outcomes = world.run(_eager_rank, seed, automatic)
     world.close()
+    num_after = 8 + automatic
     for rank, outcome in enumerate(outcomes):
         assert outcome["before"] == 4, (rank, seed, outcome)
-        assert outcome["after"] == (0 if rank == STOPPED else 8), (rank, seed, outcome)
+        assert outcome["after"] == (0 if rank == STOPPED else num_after), (rank, seed, outcome)
         if rank != STOPPED:
             assert outcome["masked"] == [STOPPED], (rank, outcome)
-    print(f"\nrank masking, eager, EP{NUM_RANKS}, seed {seed}: 4 calls on 8 ranks, then rank {STOPPED} stopped and "
-          f"8 calls on each of the 7 others, all bitwise equal to the reference")  # fmt: skip
+    transition = ""
+    if automatic:
+        times = [o["transition_s"] for r, o in enumerate(outcomes) if r != STOPPED]
+        transition = f"; the first call without it took {min(times):.2f}-{max(times):.2f} s (deadline 1 s)"
+    print(f"\nrank masking ({mode}), eager, EP{NUM_RANKS}, seed {seed}: 4 calls on 8 ranks, then rank {STOPPED} "
+          f"stopped and {num_after} calls on each of the 7 others, all bitwise equal to the reference{transition}")  # fmt: skip
 
 
-def _graph_rank(rank: int, group: dist.ProcessGroup, seed: int, num_replays: int) -> dict:
+def _graph_rank(rank: int, group: dist.ProcessGroup, seed: int, num_replays: int, automatic: bool) -> dict:
     from kernel_checks import check_dispatch, equal
 
-    kbuf, rbuf = _buffers(group)
+    kbuf, rbuf = _buffers(group, automatic)
     dtype, do_expand = "bf16", True
     x, topk_idx, weights, bias = _inputs(rank, dtype, seed)
     static = {"x": x.clone(), "x2": x.clone(), "topk_idx": topk_idx.clone(), "weights": weights.clone(),
@@ -169,7 +189,7 @@ def _graph_rank(rank: int, group: dist.ProcessGroup, seed: int, num_replays: int
             # Rank 5 stops replaying; the others mask it and replay the same graph
             torch.cuda.current_stream().synchronize()
             dist.barrier(group=group)
-            if rank != STOPPED:
+            if rank != STOPPED and not automatic:
                 kbuf.mask_ranks([STOPPED])
         new_x, new_topk, new_w, new_bias = _inputs(rank, dtype, seed + 10 + replay)
         new_x2 = _inputs(rank, dtype, seed + 50 + replay)[0]
@@ -190,26 +210,34 @@ def _graph_rank(rank: int, group: dist.ProcessGroup, seed: int, num_replays: int
         graph.replay()
         torch.cuda.current_stream().synchronize()
         what = f"graph replay {replay} (masked={masked}) rank {rank}"
-        check_dispatch(fresh, ref, do_expand, False, f"{what}, fresh dispatch")
-        check_dispatch(cached, ref_cached, do_expand, False, f"{what}, cached dispatch")
-        assert int(fresh[3].num_masked_lanes[0]) == _num_dropped(new_topk, routing), what
+        # Automatic mode: the first replay without rank 5 is the one whose waits mask it
+        transition = automatic and replay == num_replays
+        check_dispatch(fresh, ref, do_expand, False, f"{what}, fresh dispatch", send_side=not transition)
+        check_dispatch(cached, ref_cached, do_expand, False, f"{what}, cached dispatch", send_side=not transition)
+        expected_dropped = 0 if transition else _num_dropped(new_topk, routing)
+        assert int(fresh[3].num_masked_lanes[0]) == expected_dropped, what
         equal(combined[0], ref_combined[0], f"{what}, combined_x")
         outcome["after" if masked else "before"] += 1
     del graph
     torch.cuda.current_stream().synchronize()
+    if rank != STOPPED:
+        outcome["masked"] = kbuf.get_masked_ranks()
     dist.barrier(group=group)
     kbuf.destroy()
     rbuf.destroy()
     return outcome
 
 
-def test_graph_replays_captured_before_a_rank_stopped_go_on_under_the_mask():
+@pytest.mark.parametrize("mode", ["manual", "automatic"])
+def test_graph_replays_captured_before_a_rank_stopped_go_on_under_the_mask(mode: str):
     seed, num_replays = _seed(), 3
     world = LoopbackWorld(NUM_RANKS)
-    outcomes = world.run(_graph_rank, seed, num_replays)
+    outcomes = world.run(_graph_rank, seed, num_replays, mode == "automatic")
     world.close()
     for rank, outcome in enumerate(outcomes):
         assert outcome["before"] == num_replays, (rank, seed, outcome)
         assert outcome["after"] == (0 if rank == STOPPED else num_replays), (rank, seed, outcome)
-    print(f"\nrank masking, graphs, EP{NUM_RANKS}, seed {seed}: {num_replays} replays on 8 ranks, then rank {STOPPED} "
+        if rank != STOPPED:
+            assert outcome["masked"] == [STOPPED], (rank, outcome)
+    print(f"\nrank masking ({mode}), graphs, EP{NUM_RANKS}, seed {seed}: {num_replays} replays on 8 ranks, then rank {STOPPED} "
           f"stopped and {num_replays} replays of the same graph on the 7 others, bitwise equal to the reference")  # fmt: skip

@@ -31,6 +31,7 @@ class NvlinkBackend(EPBackend):
     checks_topk_values_on_device: ClassVar[bool] = True
     supports_graph_capture: ClassVar[bool] = True
     supports_rank_masking: ClassVar[bool] = True
+    supports_mask_on_timeout: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
@@ -38,7 +39,8 @@ class NvlinkBackend(EPBackend):
         self.runtime = NvlinkRuntime(transport.open_windows, transport.share,
                                      num_gpu_timeout_secs=config.num_gpu_timeout_secs,
                                      num_cpu_timeout_secs=config.num_cpu_timeout_secs,
-                                     rank_masking=config.enable_rank_masking)  # fmt: skip
+                                     rank_masking=config.enable_rank_masking,
+                                     mask_on_timeout=config.mask_ranks_on_timeout)  # fmt: skip
 
     @classmethod
     def is_supported(cls, group: dist.ProcessGroup) -> bool:
@@ -57,6 +59,9 @@ class NvlinkBackend(EPBackend):
 
     def fail(self, op: str, error: BaseException) -> None:
         self.runtime.post_fault(op, error)
+
+    def timed_out_ranks(self) -> frozenset[int]:
+        return self.runtime.timed_out_ranks()
 
     def set_masked_ranks(self, masked_ranks: frozenset[int]) -> None:
         self.runtime.set_masked_ranks(masked_ranks, torch.cuda.current_stream())

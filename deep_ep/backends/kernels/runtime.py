@@ -33,6 +33,7 @@ from .layout import (
     ERROR_WORDS,
     HOST_ERROR_PHASE,
     INPUT_OUT_OF_RANGE,
+    MASK_ON_TIMEOUT_OFFSET,
     MASKED_RANKS_OFFSET,
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
@@ -42,6 +43,7 @@ from .layout import (
     PEER_WINDOWS_OFFSET,
     PHASES,
     RANK_OFFSET,
+    TIMED_OUT_RANKS_OFFSET,
 )
 from .transport import DeviceShare, PeerWindows
 
@@ -134,14 +136,16 @@ class NvlinkRuntime:
         num_gpu_timeout_secs: deadline of every device-side wait.
         num_cpu_timeout_secs: deadline of every host-side wait.
         rank_masking: whether the kernels are the ones that honour masked ranks (rank_mask.cuh).
+        mask_on_timeout: rank masking's automatic mode: a peer whose wait expires is masked.
     """
 
     def __init__(
         self, open_windows: Callable[[], PeerWindows], share: DeviceShare, num_gpu_timeout_secs: float,
-        num_cpu_timeout_secs: float, rank_masking: bool = False,
+        num_cpu_timeout_secs: float, rank_masking: bool = False, mask_on_timeout: bool = False,
     ) -> None:  # fmt: skip
         self.share = share
         self.rank_masking = rank_masking
+        self.mask_on_timeout = mask_on_timeout
         self._mask_words: list[torch.Tensor] = []  # pinned sources of mask writes, alive until copied
         self.num_device_sms = share.num_sms
         self.timeout_ns = int(num_gpu_timeout_secs * 1e9)
@@ -158,6 +162,7 @@ class NvlinkRuntime:
         # What a failing rank posts to its peers, and the stream it posts on; made before the windows
         # open, like all of this rank's memory (see `open_windows`)
         self._fault_message = torch.zeros(PEER_MESSAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+        self._timed_out_word = torch.zeros(8, dtype=torch.uint8, pin_memory=True)
         self._fault_stream, self._fault_stream_handle = _own_stream()
         self.num_experts_checked = 0  # of the last dispatch that validated routing on the device
         self.dead_reason: str | None = None
@@ -180,6 +185,10 @@ class NvlinkRuntime:
         window = self.windows.bytes
         window[RANK_OFFSET : NUM_RANKS_OFFSET + 4].copy_(world)
         window[PEER_WINDOWS_OFFSET : PEER_WINDOWS_OFFSET + peers.numel()].copy_(peers)
+        if self.mask_on_timeout:
+            window[MASK_ON_TIMEOUT_OFFSET : MASK_ON_TIMEOUT_OFFSET + 4].copy_(
+                torch.tensor([1], dtype=torch.int32).view(torch.uint8)
+            )
         torch.cuda.current_stream().synchronize()
 
     # ---------------------------------------------------------------- faults
@@ -236,17 +245,21 @@ class NvlinkRuntime:
         # pinned memory allocated now could wait for the device. Copied by the driver, not by torch:
         # torch's pinned allocator would remember our stream and record an event on it when the
         # block is freed, after `destroy` has destroyed the stream (a segfault)
+        self._read_window(start, self._fault_message)
+        return bytes(self._fault_message.tolist()).split(b"\0", 1)[0].decode(errors="replace")
+
+    def _read_window(self, offset: int, staged: torch.Tensor) -> None:
+        """Copy `staged.numel()` bytes of our window at `offset` into the pinned `staged` on our own
+        stream, now, whatever the buffer's streams have queued."""
         from cuda.bindings import driver as cuda
 
         from deep_ep.jit import driver as jit_driver
 
-        staged = self._fault_message
-        source = data_ptr(self.windows.bytes) + start
+        source = data_ptr(self.windows.bytes) + offset
         with jit_driver.current_context(self.windows.bytes.device.index):
-            copied = cuda.cuMemcpyDtoHAsync(data_ptr(staged), source, PEER_MESSAGE_BYTES, self._fault_stream_handle)
+            copied = cuda.cuMemcpyDtoHAsync(data_ptr(staged), source, staged.numel(), self._fault_stream_handle)
         jit_driver.check(copied, "cuMemcpyDtoHAsync")
         wait_for_stream(self._fault_stream, timeout_s=self.cpu_timeout_s)
-        return bytes(staged.tolist()).split(b"\0", 1)[0].decode(errors="replace")
 
     def fail_between_launches(self, op: str, error: BaseException) -> None:
         """Mark the buffer dead: `op` raised `error` after its first kernel was launched."""
@@ -304,6 +317,14 @@ class NvlinkRuntime:
             self.windows.bytes[MASKED_RANKS_OFFSET : MASKED_RANKS_OFFSET + 8].copy_(
                 word.view(torch.uint8), non_blocking=True
             )
+
+    def timed_out_ranks(self) -> frozenset[int]:
+        """The peers that automatic masking masked so far (their waits expired), read from the device now."""
+        if not self.mask_on_timeout:
+            return frozenset()
+        self._read_window(TIMED_OUT_RANKS_OFFSET, self._timed_out_word)
+        bits = int.from_bytes(bytes(self._timed_out_word.tolist()), "little")
+        return frozenset(rank for rank in range(self.num_ranks) if bits >> rank & 1)
 
     # ---------------------------------------------------------------- barrier
 

@@ -21,21 +21,26 @@ namespace deep_ep {
 // thread, and to its warp after a __syncwarp). Returns false when the deadline passed or the buffer
 // failed (here or on a peer; fault.cuh), also when the counter is there already; the error is then
 // recorded. Polls back off a little: hundreds of warps spinning on a few counters load the L2
-// slices that also take the incoming NVLink writes.
+// slices that also take the incoming NVLink writes. With `mask` in automatic mode (rank_mask.cuh)
+// a wait on a peer masked already ends at once, and an expired one masks `peer` and returns true.
 __device__ __forceinline__ bool counter_reached(int observed, int expected) {
     return static_cast<int>(static_cast<unsigned>(observed) - static_cast<unsigned>(expected)) >= 0;
 }
 
 constexpr unsigned kPollBackoffNs = 200;
 
+template <bool kMasking = false>
 __device__ __forceinline__ bool wait_counter(const int* counter, int expected, const FaultSink& fault, int phase,
-                                             int rank, int peer, int channel, uint64_t timeout_ns) {
+                                             int rank, int peer, int channel, uint64_t timeout_ns,
+                                             const RankMask<kMasking>& mask = {}) {
     int observed = ld_acquire_sys(counter);
     if (counter_reached(observed, expected)) return not fault.check();
+    if (mask.timed_out_already(peer)) return true;
     const uint64_t deadline = global_timer_ns() + timeout_ns;
     while (not counter_reached(observed = ld_acquire_sys(counter), expected)) {
         if (fault.check()) return false;
         if (global_timer_ns() > deadline) {
+            if (mask.mask_on_timeout(peer)) return true;
             fault.report_timeout(phase, rank, peer, channel, observed, expected);
             return false;
         }
@@ -63,17 +68,21 @@ __device__ __forceinline__ uint64_t* count_flags(void* window) {
 
 // One thread waits for `src_rank`'s count flag in `window` and returns its count (clamped to
 // [0, num_max_tokens_per_rank]), or -1 when the wait failed or the source runs another operation
-// (recorded as a failure: the ranks' sequences of operations diverged).
+// (recorded as a failure: the ranks' sequences of operations diverged). In automatic mode a source
+// whose flag does not come is masked and sends nothing (rank_mask.cuh).
+template <bool kMasking>
 __device__ __forceinline__ int wait_count_flag(char* window, int src_rank, uint32_t signature,
                                                int num_max_tokens_per_rank, const FaultSink& fault, int rank,
-                                               int channel, uint64_t timeout_ns) {
+                                               int channel, uint64_t timeout_ns, const RankMask<kMasking>& mask) {
     const uint64_t* flag = count_flags(window) + src_rank;
     uint64_t value = ld_acquire_sys_u64(flag);
     if (static_cast<uint32_t>(value) == 0) {
+        if (mask.timed_out_already(src_rank)) return 0;
         const uint64_t deadline = global_timer_ns() + timeout_ns;
         while (static_cast<uint32_t>(value = ld_acquire_sys_u64(flag)) == 0) {
             if (fault.check()) return -1;
             if (global_timer_ns() > deadline) {
+                if (mask.mask_on_timeout(src_rank)) return 0;
                 fault.report_timeout(kPhaseDispatchCounts, rank, src_rank, channel, 0, 1);
                 return -1;
             }
@@ -134,7 +143,7 @@ __device__ __forceinline__ bool wait_recv_counts(char* window, uint32_t signatur
         num_recv[threadIdx.x] = 0;
     } else if (threadIdx.x < kNumRanks) {
         const int count = wait_count_flag(window, threadIdx.x, signature, num_max_tokens_per_rank, fault, rank,
-                                          blockIdx.x, timeout_ns);
+                                          blockIdx.x, timeout_ns, mask);
         ok = count >= 0;
         num_recv[threadIdx.x] = ok ? count : 0;
     }

@@ -41,18 +41,20 @@ __device__ __forceinline__ bool channel_barrier(char* own_window, int rank, int 
         int* mine = workspace_semaphore(own_window, channel, peer);
         const uint64_t deadline = global_timer_ns() + timeout_ns;
         int observed;
+        bool is_masked = false;  // automatic mode: a peer that does not come is masked
         while ((observed = ld_acquire_sys(mine)) < 1) {
             if (fault.check()) {
                 ok = false;
                 break;
             }
             if (global_timer_ns() > deadline) {
-                fault.report_timeout(phase, rank, peer, channel, observed, 1);
-                ok = false;
+                is_masked = mask.mask_on_timeout(peer);
+                if (not is_masked) fault.report_timeout(phase, rank, peer, channel, observed, 1);
+                ok = is_masked;
                 break;
             }
         }
-        if (ok) atomic_add_relaxed_sys(mine, -1);
+        if (ok and not is_masked) atomic_add_relaxed_sys(mine, -1);
     }
     return __syncthreads_and(ok);
 }
@@ -104,7 +106,8 @@ __device__ __forceinline__ bool open_peer_windows(char* own_window, void** smem_
     bool ok = true;
     if (threadIdx.x < kNumRanks) {
         smem_peer_windows[threadIdx.x] = peer_window_table(own_window)[threadIdx.x];
-        ok = mask.skips(threadIdx.x) or wait_window_credit(own_window, threadIdx.x, rank, phase, fault, timeout_ns);
+        ok = mask.skips(threadIdx.x) or
+             wait_window_credit(own_window, threadIdx.x, rank, phase, fault, timeout_ns, mask);
     }
     return __syncthreads_and(ok);
 }

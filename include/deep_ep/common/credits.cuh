@@ -23,11 +23,15 @@ __device__ __forceinline__ int* window_credits(void* window) {
 
 // One thread waits until `peer`'s window takes our writes: its credit for us has reached our
 // epoch, which our previous epilogue counted before this kernel started. `own_window` is our
-// window base. Returns false when the deadline passed (the error is recorded).
+// window base. Returns false when the deadline passed (the error is recorded), true when that
+// masked the peer instead (automatic mode, rank_mask.cuh).
+template <bool kMasking>
 __device__ __forceinline__ bool wait_window_credit(char* own_window, int peer, int rank, int phase,
-                                                   const FaultSink& fault, uint64_t timeout_ns) {
+                                                   const FaultSink& fault, uint64_t timeout_ns,
+                                                   const RankMask<kMasking>& mask) {
     const int epoch = *reinterpret_cast<const int*>(own_window + kEpochOffset);
-    return wait_counter(window_credits(own_window) + peer, epoch, fault, phase, rank, peer, blockIdx.x, timeout_ns);
+    return wait_counter(window_credits(own_window) + peer, epoch, fault, phase, rank, peer, blockIdx.x, timeout_ns,
+                        mask);
 }
 
 // The end of every epilogue: every thread of every CTA calls it once, after its last read of the
@@ -96,14 +100,19 @@ __device__ __forceinline__ bool wait_op_signatures(char* window, uint32_t signat
         // Zero: never written (a signature never is zero, also at epoch 0)
         auto is_current = [&](uint32_t value) { return value != 0 and value >> 16 == epoch_bits; };
         uint32_t observed = static_cast<uint32_t>(ld_acquire_sys(word));
+        // Automatic mode: a peer whose signature does not come is masked, not checked
+        bool is_masked = false;
         if (not is_current(observed)) {
+            is_masked = mask.timed_out_already(threadIdx.x);
             const uint64_t deadline = global_timer_ns() + timeout_ns;
-            while (not is_current(observed = static_cast<uint32_t>(ld_acquire_sys(word)))) {
+            while (not is_masked and not is_current(observed = static_cast<uint32_t>(ld_acquire_sys(word)))) {
                 if (fault.check()) {
                     ok = false;
                     break;
                 }
                 if (global_timer_ns() > deadline) {
+                    is_masked = mask.mask_on_timeout(threadIdx.x);
+                    if (is_masked) break;
                     fault.report_timeout(kPhaseOpSignature, rank, threadIdx.x, blockIdx.x, static_cast<int>(observed),
                                          static_cast<int>(signature));
                     ok = false;
@@ -112,7 +121,7 @@ __device__ __forceinline__ bool wait_op_signatures(char* window, uint32_t signat
                 __nanosleep(kPollBackoffNs);
             }
         }
-        if (ok and observed != signature) {
+        if (ok and not is_masked and observed != signature) {
             fault.report_timeout(kPhaseOpMismatch, rank, threadIdx.x, blockIdx.x, static_cast<int>(observed),
                                  static_cast<int>(signature));
             ok = false;

@@ -59,6 +59,10 @@ constexpr int64_t kOpSignatureOffset = kPeerWindowsOffset + kMaxRanks * sizeof(v
 // host reads it to say why, in words, once that rank's fault has reached it. NUL-terminated UTF-8.
 constexpr int64_t kPeerMessageOffset = align_up(kOpSignatureOffset + kMaxRanks * 4, int64_t(16));
 constexpr int kPeerMessageBytes = 256;
+// Rank masking's automatic mode (rank_mask.cuh): non-zero when an expired wait masks its peer (the
+// host writes it when the window is created), and the peers masked that way (bit r for rank r)
+constexpr int64_t kMaskOnTimeoutOffset = kPeerMessageOffset + int64_t(kMaxRanks) * kPeerMessageBytes;
+constexpr int64_t kTimedOutRanksOffset = kMaskOnTimeoutOffset + 8;
 // Senders publish how many of their tokens go to each of our local experts, so no receiver-side
 // pass over the records is needed to count them.
 constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
@@ -72,8 +76,8 @@ constexpr int64_t kWorkspaceBytes = 512 * 1024;
 static_assert(kStatusOffset % 8 == 0 and kNumRanksOffset + 4 <= kMaskedRanksOffset and
                   kMaskedRanksOffset + 8 <= kCreditOffset,
               "workspace overflow");
-static_assert(kPeerWindowsOffset % 8 == 0 and
-                  kPeerMessageOffset + int64_t(kMaxRanks) * kPeerMessageBytes <= kRecvExpertCountOffset,
+static_assert(kPeerWindowsOffset % 8 == 0 and kTimedOutRanksOffset % 8 == 0 and
+                  kTimedOutRanksOffset + 8 <= kRecvExpertCountOffset,
               "workspace overflow");
 static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kArrivalOffset,
               "workspace overflow");

@@ -103,7 +103,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
             const int d = j * 32 + lane_idx;
             slot[j] = d < kNumRanks ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] : -1;
             const int limit = (d == args.rank and has_local_rows) ? args.num_local_rows - own_rows_begin : num_sent[j];
-            if (slot[j] >= limit) slot[j] = -1;
+            // A holder masked since the dispatch (automatic mode) sends no row: its lanes count as -1
+            if (slot[j] >= limit or (d < kNumRanks and mask.skips(d))) slot[j] = -1;
         }
         // Selected, not indexed: `d` is a run-time value, and an indexed register array would go to local memory
         auto slot_of_rank = [&](int d) {

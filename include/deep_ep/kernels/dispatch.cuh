@@ -481,8 +481,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
             const int* recv_expert_counts = reinterpret_cast<const int*>(own_window + kRecvExpertCountOffset);
             for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
                 int sum = 0;
+                // A masked source's words are stale (also one masked by a wait of this dispatch): it sent none
                 for (int s = 0; s < kNumRanks; ++s)
-                    if (not mask.skips(s)) sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
+                    if (not kRankMasking or num_recv[s] != 0)
+                        sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
                 args.num_recv_tokens_per_expert[e] = sum;
                 if (args.counts_out != nullptr) args.counts_out[kNumRanks + e] = sum;
                 if (args.cumulative_stats != nullptr and not is_bad) args.cumulative_stats[e] += sum;

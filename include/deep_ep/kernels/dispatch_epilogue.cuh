@@ -101,8 +101,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
             if (args.is_cached)
                 sum = args.num_recv_tokens_per_expert[e];
             else
+                // A masked source's words are stale (also one masked by a wait of this dispatch): it sent none
                 for (int s = 0; s < kNumRanks; ++s)
-                    if (not mask.skips(s)) sum += ld_relaxed_sys(window_counts + s * kMaxLocalExperts + e);
+                    if (not kRankMasking or num_recv[s] != 0)
+                        sum += ld_relaxed_sys(window_counts + s * kMaxLocalExperts + e);
             num_per_expert[e] = sum;
         }
         __syncthreads();
