@@ -4,8 +4,8 @@ Each function returns a loaded `deep_ep.jit` kernel for one specialisation. Comp
 are the shape of the problem that never changes between steps (ranks, hidden bytes, scale bytes,
 top-k, rows per combine slot); token counts are runtime arguments, so a new batch size never
 recompiles. `rank_masking` specialises the communication kernels for a buffer with rank masking
-(rank_mask.cuh); without it every test of the mask folds away. `warmup_specs()` lists the specialisations the tests and benchmarks use, for
-`deep-ep jit warmup` and for the CPU compile tests.
+(rank_mask.cuh); without it every test of the mask folds away. `warmup_specs()` lists the
+specialisations the tests and benchmarks use, for `deep-ep jit warmup` and for the CPU compile tests.
 """
 
 from __future__ import annotations
