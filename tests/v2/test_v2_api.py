@@ -31,6 +31,7 @@ def test_the_constructor_takes_v2s_arguments_in_v2s_order() -> None:
     assert [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY] == [
         "backend",
         "enable_rank_masking",
+        "mask_ranks_on_timeout",
     ]
 
 
