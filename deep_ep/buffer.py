@@ -470,6 +470,8 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                              "device), got a call while the current stream is capturing")  # fmt: skip
         backend = self._live_backend("mask_ranks")
         masked = self._masked_ranks | added
+        if masked == self._masked_ranks:
+            return  # masked already: no device write (a caller may repeat its set of lost ranks every step)
         self._communicate("mask_ranks", lambda: (backend.set_masked_ranks(masked), (), ()), None, False, False)
         self._masked_ranks = masked
 
