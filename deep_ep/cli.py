@@ -419,24 +419,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config.graphs = config.graphs and not args.no_graphs
     config.breakdown = args.breakdown
     config.hot_fraction = args.hot_fraction
+    if args.host:
+        options = (("--sms", args.sms), ("--plot", args.plot), ("--breakdown", args.breakdown))
+        if given := [name for name, value in options if value]:
+            raise ValueError(
+                f"bench: `--host` times the planner's SM pick, without plots or a breakdown; drop {', '.join(given)}"
+            )
     runner.check_config(config)
     if config.device == "cuda":
         from deep_ep.jit import compile_many
 
         print("deep-ep bench: compiling the kernels (cached ones load at once)", file=sys.stderr)
         compile_many(cases.kernel_specs(config), progress=True)
-    runner.run(config, json_path=args.json, plot_path=args.plot, command=" ".join(["deep-ep", *sys.argv[1:]]))
+    command = " ".join(["deep-ep", *sys.argv[1:]])
+    if args.host:
+        from deep_ep.bench import host
+
+        host.run_host(config, json_path=args.json, command=command)
+    else:
+        runner.run(config, json_path=args.json, plot_path=args.plot, command=command)
     return 0
 
 
 def register_bench(subparsers: Any) -> None:
     """`deep-ep bench`."""
-    from deep_ep.bench import DEFAULT_HOT_FRACTION, DTYPES, ROUTINGS, columns_text
+    from deep_ep.bench import DEFAULT_HOT_FRACTION, DTYPES, HOST_COLUMNS, ROUTINGS, columns_text
 
     parser = subparsers.add_parser(
         "bench",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=columns_text(),
+        epilog=f"{columns_text()}\n\n{HOST_COLUMNS}",
         help="time dispatch/combine against torch all_to_all_single and the NVLink speed of light",
         description=textwrap.fill(
             "GPUs: all local GPUs with the NVLink kernels (DeepSeek-V3 shape, FP8 dispatch, BF16 combine); "
@@ -470,6 +482,9 @@ def register_bench(subparsers: Any) -> None:
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing (GPUs)")
     parser.add_argument("--breakdown", action="store_true",
                         help="per-kernel device times of the planner's cases (torch profiler; GPUs)")  # fmt: skip
+    parser.add_argument("--host", action="store_true",
+                        help="instead of bandwidth: what each call costs the host (wall and CPU time from entry to "
+                             "return), its eager wall time and its GPU time, per operation (deep_ep.bench.host)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="seed of the inputs (default: from the clock)")
     parser.add_argument(
         "--json", default=None, metavar="FILE", help="write the results (with commit, command, hardware, date)"

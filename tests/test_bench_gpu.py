@@ -30,3 +30,21 @@ def test_released_graphs_give_their_memory_pools_back():
     # One round's graphs hold num_graphs * num_calls * num_bytes (1 GiB); the warm-up call's block
     # may stay cached outside any pool
     assert grown <= num_bytes, f"{grown / 2**30:.2f} GiB still reserved after {num_rounds} rounds of released graphs"
+
+
+def test_host_bench_on_virtual_ranks_times_the_kernels_and_their_graphs():
+    """`deep-ep bench --host` on one GPU: every operation of the kernels has host, eager and (where a
+    graph can hold it) GPU times, and the kernels' targets are reported."""
+    from deep_ep.jit import compile_many
+
+    from deep_ep.bench import cases, host
+
+    config = cases.BenchConfig(cases.make_cases([128], None, ["fp8"], ["uniform"], 7168, 8, 256), 2, "cuda",
+                               virtual_ranks=True, num_warmups=2, num_iters=5, num_graph_samples=2, seed=7)  # fmt: skip
+    compile_many(cases.kernel_specs(config))
+    rows = host.run_host(config, command="pytest")
+    assert [r["op"] for r in rows] == list(host.HOST_OPS)
+    for row in rows:
+        assert row["backend"] == "NvlinkBackend" and 0 < row["host_wall_us"] <= row["eager_wall_us"], row
+        assert (row["gpu_us"] is None) == (row["op"] == "dispatch_cpu_sync"), row
+        assert (row["host_target_us"] is None) == (row["op"] == "dispatch_cpu_sync"), row

@@ -4,6 +4,7 @@
 - `deep_ep.bench.timing`: eager timing, CUDA-graph capture and replay timing, kernel breakdown.
 - `deep_ep.bench.torch_path`: the torch `all_to_all_single` path a user would write.
 - `deep_ep.bench.runner`: the per-rank benchmark and `run()` (spawns the ranks, prints, writes).
+- `deep_ep.bench.host`: `deep-ep bench --host`, the host cost of every call next to its GPU time.
 - `deep_ep.bench.report`: the tables, the planner and issue checks, the JSON document and the plot.
 - `deep_ep.bench.calibrate`: the planner's calibration (`deep_ep/data/hopper.json`).
 """
@@ -45,3 +46,13 @@ def columns_text(cpu: bool = False) -> str:
     lines = [f"  {name}: {CPU_SMS if cpu and name == 'SMs' else meaning}" for name, meaning, on_cpu in COLUMNS
              if on_cpu or not cpu]  # fmt: skip
     return "\n".join(["columns:", *lines, f"several ranks: {MULTI_RANK_RULE}"])
+
+
+# The columns of `deep-ep bench --host` (deep_ep.bench.host)
+HOST_COLUMNS = """columns (--host):
+  host wall us: the call's wall time from entry to return, on a drained stream (no GPU wait unless the call waits)
+  host CPU us: the calling thread's CPU time over that span (virtual ranks: waits for the interpreter left out)
+  eager wall us: the call, then a wait until its stream is idle
+  GPU us: device time per call from CUDA-graph replays (n/a: a dispatch with CPU sync, or no GPU)
+  target us: issue 19's host-time targets on one H200: fresh dispatch without CPU sync 30, cached and combine 20
+several ranks: every time is the slowest rank's median"""

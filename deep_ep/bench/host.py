@@ -1,0 +1,215 @@
+"""`deep-ep bench --host`: what a call costs the host, next to what it costs the GPU.
+
+Per tokens-per-rank and dispatch dtype, on every rank, four operations: a fresh dispatch without
+CPU sync, a fresh dispatch with CPU sync (exact shapes), a cached dispatch (`handle=`) and a
+combine. Each call starts on a drained stream with every rank lined up (a barrier), so a launch
+never waits behind a full queue and the host time is the call's own:
+
+- host wall: from the call's entry to its return, the stream not waited for unless the call itself
+  waits (the CPU-sync dispatch waits for the counts);
+- host CPU: the calling thread's CPU time over the same span. With virtual ranks, threads of one
+  process take turns in the interpreter; a turn spent waiting is wall time, not CPU time;
+- eager wall: the call, then a wait until its stream is idle (what an eager caller sees);
+- GPU: the device time per call from CUDA-graph replays (GPUs; a CPU-sync dispatch cannot be
+  captured, so it has none).
+
+Several ranks: the slowest rank's median, as in the bandwidth tables.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..host_reads import wait_for_stream
+from . import HOST_COLUMNS, report
+from .cases import BenchCase, BenchConfig, make_inputs, random_rows
+
+HOST_OPS = ("dispatch_no_sync", "dispatch_cpu_sync", "cached_dispatch", "combine")
+# The graph operation (deep_ep.bench.runner.capture_moe_ops) that times each host operation on the GPU
+GRAPH_OPS = {"dispatch_no_sync": "dispatch", "cached_dispatch": "cached_dispatch", "combine": "combine"}
+HOST_FIELDS = ("host_wall_us", "host_cpu_us", "eager_wall_us", "gpu_us")
+# The host-time targets of issue 19 on one H200 (benchmark targets: reported, never asserted)
+HOST_TARGETS_US = {"dispatch_no_sync": 30.0, "cached_dispatch": 20.0, "combine": 20.0}
+
+
+def host_cases(config: BenchConfig) -> list[BenchCase]:
+    """One case per (dtype, routing, tokens) of `config`, at the planner's SM pick."""
+    return list({c.key: c for c in config.cases if c.num_sms == 0}.values())
+
+
+def _time_call(call: Callable[[], Any], align: Callable[[], None], drain: Callable[[], None], num_warmups: int,
+               num_iters: int) -> dict:  # fmt: skip
+    """Median host wall, host CPU and eager wall microseconds of `call()` (collective); `drain()` waits
+    until the stream is idle."""
+    for _ in range(num_warmups):
+        align()
+        call()
+    walls, cpus, eagers = [], [], []
+    for _ in range(num_iters):
+        align()
+        started, cpu_started = time.perf_counter_ns(), time.thread_time_ns()
+        call()
+        cpu_done, returned = time.thread_time_ns(), time.perf_counter_ns()
+        drain()
+        drained = time.perf_counter_ns()
+        walls.append(returned - started)
+        cpus.append(cpu_done - cpu_started)
+        eagers.append(drained - started)
+    return dict(host_wall_us=statistics.median(walls) / 1e3, host_cpu_us=statistics.median(cpus) / 1e3,
+                eager_wall_us=statistics.median(eagers) / 1e3)  # fmt: skip
+
+
+def _graph_times_us(buffer: Any, inputs: tuple, rows: torch.Tensor, kwargs: dict, config: BenchConfig,
+                    group: dist.ProcessGroup, align: Callable[[], None]) -> dict[str, float]:  # fmt: skip
+    """Device microseconds per call of the capturable operations (collective; GPUs)."""
+    from .runner import calls_per_graph, capture_moe_ops
+    from .timing import agree_on_replays, release_captured, time_graphs
+
+    x, topk_idx, weights = inputs
+    handle = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, do_cpu_sync=False, **kwargs)[3]
+    calls = calls_per_graph(kwargs["num_max_tokens_per_rank"])
+    ops = capture_moe_ops(buffer, [inputs], [rows], [handle], kwargs, calls, group)
+    try:
+        times = {name: time_graphs(op, agree_on_replays(op, align, group), config.num_graph_samples, align) * 1e6
+                 for name, op in ops.items()}  # fmt: skip
+    finally:
+        release_captured(list(ops.values()), lambda: dist.barrier(group=group))
+    return {host_op: times[graph_op] for host_op, graph_op in GRAPH_OPS.items()}
+
+
+def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup, config: BenchConfig) -> list[dict]:
+    """One case on one rank: a row per operation with this rank's medians (collective)."""
+    num_ranks, device = group.size(), config.device
+    on_gpu = device == "cuda"
+
+    def align() -> None:
+        if on_gpu:
+            buffer.barrier()
+            wait_for_stream()
+        else:
+            dist.barrier(group=group)
+
+    x, topk_idx, weights = make_inputs(case, rank, num_ranks, device, config.seed, config.hot_fraction)
+    kwargs = dict(num_experts=case.num_experts, num_max_tokens_per_rank=case.num_tokens, num_sms=0)
+    routed = dict(topk_idx=topk_idx, topk_weights=weights, **kwargs)
+    handle = buffer.dispatch(x, **routed)[3]
+    expert_rows = random_rows(num_ranks * case.num_tokens, case.hidden, device, config.seed * 7 + rank)
+    recv_rows = expert_rows[: handle.num_recv_tokens]
+    calls = {
+        "dispatch_no_sync": lambda: buffer.dispatch(x, do_cpu_sync=False, **routed),
+        "dispatch_cpu_sync": lambda: buffer.dispatch(x, **routed),
+        "cached_dispatch": lambda: buffer.dispatch(x, handle=handle),
+        "combine": lambda: buffer.combine(recv_rows, handle),
+    }
+    drain = wait_for_stream if on_gpu else lambda: None  # CPU ranks: every call returns done
+    times = {op: _time_call(calls[op], align, drain, config.num_warmups, config.num_iters) for op in HOST_OPS}
+    backend_name = type(buffer.backend).__name__
+    gpu = {}
+    if config.graphs and on_gpu and backend_name == "NvlinkBackend":
+        gpu = _graph_times_us(buffer, (x, topk_idx, weights), expert_rows, kwargs, config, group, align)
+    shape = dict(num_tokens=case.num_tokens, dtype=case.dtype, routing=case.routing, hidden=case.hidden,
+                 num_topk=case.num_topk, num_experts=case.num_experts)  # fmt: skip
+    if rank == 0:
+        walls = ", ".join(f"{op} {times[op]['host_wall_us']:.1f} us" for op in HOST_OPS)
+        print(f"host cost, T={case.num_tokens} {case.dtype} {case.routing}: {walls}", file=sys.stderr, flush=True)
+    return [
+        dict(case=shape, op=op, rank=rank, backend=backend_name, gpu_us=gpu.get(op), **times[op]) for op in HOST_OPS
+    ]
+
+
+def host_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> list[dict]:
+    """Every host case on this rank of `group`: one row per (case, operation) with this rank's medians."""
+    import deep_ep
+
+    rows = []
+    for case in host_cases(config):
+        buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=case.num_tokens, hidden=case.hidden,
+                                       num_topk=case.num_topk, use_fp8_dispatch=case.fp8_dispatch,
+                                       explicitly_destroy=True)  # fmt: skip
+        try:
+            rows += _host_case(case, buffer, rank, group, config)
+        finally:
+            if config.device == "cuda":
+                wait_for_stream()
+            buffer.destroy()
+    return rows
+
+
+def summarize(per_rank: list[list[dict]]) -> list[dict]:
+    """One row per (case, operation): each time field is the slowest rank's median (`None` when no
+    rank measured it), with the target where issue 19 sets one (for the kernels, not the reference)."""
+    summary = []
+    for same in zip(*per_rank, strict=True):
+        row = {k: v for k, v in same[0].items() if k not in (*HOST_FIELDS, "rank")}
+        for name in HOST_FIELDS:
+            values = [r[name] for r in same if r[name] is not None]
+            row[name] = max(values) if values else None
+        row["host_target_us"] = HOST_TARGETS_US.get(row["op"]) if row["backend"] == "NvlinkBackend" else None
+        summary.append(row)
+    return summary
+
+
+def _us(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def format_table(rows: list[dict], hardware: str, virtual_ranks: bool) -> str:
+    lines = []
+    if virtual_ranks:
+        lines.append(report.VIRTUAL_RANKS_NOTE)
+        lines.append("")
+    lines.append(f"host cost per call ({hardware}; slowest rank's median):")
+    header = (f"{'T':>6} {'dtype':>5} {'routing':>10} {'operation':>18} | {'host wall us':>12} {'host CPU us':>11} "
+              f"{'eager wall us':>13} {'GPU us':>8} | {'target us':>9}")  # fmt: skip
+    lines += [header, "-" * len(header)]
+    for r in rows:
+        c = r["case"]
+        target = r["host_target_us"]
+        verdict = "" if target is None else f"{target:.0f} {'met' if r['host_wall_us'] <= target else 'missed'}"
+        lines.append(f"{c['num_tokens']:>6} {c['dtype']:>5} {c['routing']:>10} {r['op']:>18} | "
+                     f"{_us(r['host_wall_us']):>12} {_us(r['host_cpu_us']):>11} {_us(r['eager_wall_us']):>13} "
+                     f"{_us(r['gpu_us']):>8} | {verdict:>9}")  # fmt: skip
+    lines.append("")
+    lines.append(HOST_COLUMNS)
+    return "\n".join(lines)
+
+
+def _spawned_host_rank(rank: int, num_ranks: int, config: BenchConfig) -> list[dict]:
+    return host_rank(rank, dist.group.WORLD, config)
+
+
+def run_host(config: BenchConfig, json_path: str | None = None, command: str | None = None) -> list[dict]:
+    """Spawn the ranks, measure every host case, print the table and write the JSON when asked."""
+    from ..utils.spawn import spawn_ranks
+
+    hardware = report.hardware_name(config.device, config.num_ranks, config.virtual_ranks)
+    print(f"deep-ep bench --host: {len(host_cases(config))} case(s) x {len(HOST_OPS)} operations on {hardware}, "
+          f"seed {config.seed}", file=sys.stderr, flush=True)  # fmt: skip
+    if config.virtual_ranks:
+        from ..loopback import LoopbackWorld
+
+        with LoopbackWorld(config.num_ranks, 0 if config.device == "cuda" else "cpu", timeout_s=1800) as world:
+            per_rank = world.run(host_rank, config)
+    else:
+        backend = "nccl" if config.device == "cuda" else "gloo"
+        per_rank = spawn_ranks(_spawned_host_rank, config.num_ranks, backend=backend, args=(config,), timeout_s=1800)
+    rows = summarize(per_rank)
+    print(format_table(rows, hardware, config.virtual_ranks))
+    print(f"measured: {report.provenance(command, hardware)}")
+    if json_path:
+        document = dict(commit=report.git_commit(), command=command or " ".join(sys.argv), hardware=hardware,
+                        date=report.utc_now(), num_ranks=config.num_ranks, virtual_ranks=config.virtual_ranks,
+                        torch=torch.__version__, seed=config.seed, num_iters=config.num_iters,
+                        num_warmups=config.num_warmups, multi_rank_rule="the slowest rank's median per field",
+                        columns=HOST_COLUMNS, results=rows, per_rank=per_rank)  # fmt: skip
+        Path(json_path).write_text(json.dumps(document, indent=2) + "\n")
+    return rows

@@ -1,0 +1,71 @@
+"""`deep-ep bench --host`: the host cost of every operation, on 2 CPU ranks (reference backend) and on
+virtual CPU ranks; the multi-rank rule of its summary; the options it refuses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from deep_ep.bench import cases, host
+
+
+def _bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deep_ep.cli", "bench", "--host", *args], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+
+
+def test_host_bench_on_cpu_ranks_times_every_operation_and_writes_json(tmp_path):
+    json_path = tmp_path / "host.json"
+    result = _bench(tmp_path, "--tokens", "64,16", "--iters", "3", "--seed", "5", "--json", str(json_path))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(json_path.read_text())
+    for key in ("commit", "command", "hardware", "date", "seed", "multi_rank_rule"):
+        assert document[key], key
+    assert document["command"].startswith("deep-ep bench --host") and document["seed"] == 5
+    rows = document["results"]
+    assert [(r["case"]["num_tokens"], r["op"]) for r in rows] == [(t, op) for t in (64, 16) for op in host.HOST_OPS]
+    per_rank = document["per_rank"]
+    assert len(per_rank) == 2 and all(r["backend"] == "ReferenceBackend" for r in per_rank[0])
+    for index, row in enumerate(rows):
+        mine = [ranks[index] for ranks in per_rank]
+        # The summary is the slowest rank; a call never returns after the wait that follows it, and
+        # one thread's CPU time never exceeds its wall time
+        assert row["host_wall_us"] == max(r["host_wall_us"] for r in mine) > 0
+        assert row["eager_wall_us"] == max(r["eager_wall_us"] for r in mine)
+        for r in mine:
+            assert r["eager_wall_us"] >= r["host_wall_us"] and r["host_cpu_us"] <= r["host_wall_us"] * 1.01
+        assert row["gpu_us"] is None  # no GPU
+    assert all(r["host_target_us"] is None for r in rows)  # the targets are the kernels'
+    for text in (
+        "host cost per call",
+        "dispatch_cpu_sync",
+        "host CPU us: the calling thread's CPU",
+        "measured: commit",
+    ):
+        assert text in result.stdout, text
+
+
+def test_host_bench_on_virtual_cpu_ranks_runs_in_one_process():
+    config = cases.BenchConfig(cases.make_cases([32], None, ["bf16"], ["imbalanced"], 256, 4, 16), 4, "cpu",
+                               virtual_ranks=True, num_warmups=1, num_iters=2, graphs=False, speed_of_light=False,
+                               seed=3)  # fmt: skip
+    rows = host.run_host(config, command="deep-ep bench --host --test")
+    assert [r["op"] for r in rows] == list(host.HOST_OPS)
+    assert all(r["backend"] == "ReferenceBackend" and r["host_wall_us"] > 0 for r in rows)
+
+
+def test_host_bench_refuses_the_options_of_the_bandwidth_tables(tmp_path):
+    result = _bench(tmp_path, "--sms", "8", "--plot", "x.png")
+    assert result.returncode == 1 and "`--host` times the planner's SM pick" in result.stderr, result.stderr
+    assert "drop --sms, --plot" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_host_summary_takes_each_fields_slowest_rank():
+    def row(rank: int, wall: float, gpu: float | None) -> dict:
+        return dict(case=dict(num_tokens=8), op="combine", rank=rank, backend="NvlinkBackend", host_wall_us=wall,
+                    host_cpu_us=wall / 2, eager_wall_us=wall + 1, gpu_us=gpu)  # fmt: skip
+
+    (summary,) = host.summarize([[row(0, 5.0, 3.0)], [row(1, 7.0, None)]])
+    assert (summary["host_wall_us"], summary["host_cpu_us"], summary["eager_wall_us"]) == (7.0, 3.5, 8.0)
+    assert summary["gpu_us"] == 3.0 and summary["host_target_us"] == 20.0 and "rank" not in summary
