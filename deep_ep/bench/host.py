@@ -183,25 +183,14 @@ def format_table(rows: list[dict], hardware: str, virtual_ranks: bool) -> str:
     return "\n".join(lines)
 
 
-def _spawned_host_rank(rank: int, num_ranks: int, config: BenchConfig) -> list[dict]:
-    return host_rank(rank, dist.group.WORLD, config)
-
-
 def run_host(config: BenchConfig, json_path: str | None = None, command: str | None = None) -> list[dict]:
     """Spawn the ranks, measure every host case, print the table and write the JSON when asked."""
-    from ..utils.spawn import spawn_ranks
+    from .runner import run_ranks
 
     hardware = report.hardware_name(config.device, config.num_ranks, config.virtual_ranks)
     print(f"deep-ep bench --host: {len(host_cases(config))} case(s) x {len(HOST_OPS)} operations on {hardware}, "
           f"seed {config.seed}", file=sys.stderr, flush=True)  # fmt: skip
-    if config.virtual_ranks:
-        from ..loopback import LoopbackWorld
-
-        with LoopbackWorld(config.num_ranks, 0 if config.device == "cuda" else "cpu", timeout_s=1800) as world:
-            per_rank = world.run(host_rank, config)
-    else:
-        backend = "nccl" if config.device == "cuda" else "gloo"
-        per_rank = spawn_ranks(_spawned_host_rank, config.num_ranks, backend=backend, args=(config,), timeout_s=1800)
+    per_rank = run_ranks(host_rank, config)
     rows = summarize(per_rank)
     print(format_table(rows, hardware, config.virtual_ranks))
     print(f"measured: {report.provenance(command, hardware)}")

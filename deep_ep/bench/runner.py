@@ -424,8 +424,21 @@ def bench_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> dict
 # ------------------------------------------------------------------------------------------ run
 
 
-def _spawned_rank(rank: int, num_ranks: int, config: BenchConfig) -> dict:
-    return bench_rank(rank, dist.group.WORLD, config)
+def _spawned_rank(rank: int, num_ranks: int, fn: Callable[..., Any], config: BenchConfig) -> Any:
+    return fn(rank, dist.group.WORLD, config)
+
+
+def run_ranks(fn: Callable[..., Any], config: BenchConfig) -> list[Any]:
+    """`fn(rank, group, config)` on every rank of `config`, the results in rank order: threads of this
+    process for virtual ranks, else a process per rank (NCCL on GPUs, gloo on CPU). `fn` is a
+    module-level function (a spawned process imports it)."""
+    if config.virtual_ranks:
+        from ..loopback import LoopbackWorld
+
+        with LoopbackWorld(config.num_ranks, 0 if config.device == "cuda" else "cpu", timeout_s=1800) as world:
+            return world.run(fn, config)
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    return spawn_ranks(_spawned_rank, config.num_ranks, backend=backend, args=(fn, config), timeout_s=1800)
 
 
 def check_config(config: BenchConfig) -> None:
@@ -443,14 +456,7 @@ def run(config: BenchConfig, json_path: str | None = None, plot_path: str | None
     check_config(config)
     hardware = report.hardware_name(config.device, config.num_ranks, config.virtual_ranks)
     print(f"deep-ep bench: {len(config.cases)} case(s) on {hardware}, seed {config.seed}", file=sys.stderr, flush=True)
-    if config.virtual_ranks:
-        from ..loopback import LoopbackWorld
-
-        with LoopbackWorld(config.num_ranks, 0 if config.device == "cuda" else "cpu", timeout_s=1800) as world:
-            per_rank = world.run(bench_rank, config)
-    else:
-        backend = "nccl" if config.device == "cuda" else "gloo"
-        per_rank = spawn_ranks(_spawned_rank, config.num_ranks, backend=backend, args=(config,), timeout_s=1800)
+    per_rank = run_ranks(bench_rank, config)
     meta = dict(per_rank[0]["meta"], provenance=report.provenance(command, hardware))
     rows = report.summarize([r["rows"] for r in per_rank], meta)
     checks = report.checks(rows, config.virtual_ranks)
