@@ -40,6 +40,15 @@ def test_rank_masking_variants_compile_without_spills():
     assert all(entry.binary_path.stat().st_size > 0 for entry in entries)
 
 
+@compiles
+def test_the_emulated_nic_pings_compile_without_spills():
+    specs = [kernel_specs.transport_ping_spec(t) for t in kernel_specs.EMULATED_TRANSPORTS]
+    assert [s.template_args[0] for s in specs] == ["deep_ep::transport::Emulated<false>",
+                                                   "deep_ep::transport::Emulated<true>"]  # fmt: skip
+    for spec in specs:
+        assert compile_spec(spec).binary_path.stat().st_size > 0, spec
+
+
 def test_moe_specs_cover_both_layouts_and_scale_formats():
     specs = kernel_specs.moe_specs(num_ranks=8, hidden=4096, num_topk=8, num_experts=256, fp8_scale_bytes=(128, 32))
     dispatch = [s for s in specs if s.name == "deep_ep::dispatch_impl"]
@@ -60,6 +69,8 @@ def _mirror_assertions() -> str:
         (kernel_specs.CombineEpilogueArgs, "deep_ep::CombineEpilogueArgs"),
         (kernel_specs.TransportPingArgs, "deep_ep::TransportPingArgs"),
         (kernel_specs.LsaTransportArgs, "deep_ep::transport::Lsa::Args"),
+        (kernel_specs.EmulatedTransportArgs, "deep_ep::transport::Emulated<true>::Args"),
+        (kernel_specs.EmulatedTransportArgs, "deep_ep::transport::Emulated<false>::Args"),
     ):
         lines.append(f'static_assert(sizeof({name}) == {ctypes.sizeof(mirror)}, "{mirror.__name__} size");')
         for field, _ in mirror._fields_:

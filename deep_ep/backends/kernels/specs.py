@@ -139,6 +139,29 @@ class LsaTransportArgs(ctypes.Structure):
     _fields_ = [("peer_windows", ctypes.c_uint64), ("rank", ctypes.c_int)]
 
 
+# The emulated NIC's modes (transport/emulated.cuh): the calling warp copies at once, or a NIC CTA
+# runs the puts late, shuffled, in contexts
+EMULATED_TRANSPORTS = ("emulated-eager", "emulated-strict")
+NIC_CONTEXTS = 2  # kNicContexts
+NIC_WORDS = 2 * NIC_CONTEXTS + 2  # kNicWords; the status is the last one
+
+
+class EmulatedTransportArgs(ctypes.Structure):
+    """Mirror of `deep_ep::transport::Emulated<kStrict>::Args` (transport/emulated.cuh), passed by value."""
+
+    _fields_ = [
+        ("peer_windows", ctypes.c_uint64),
+        ("queue", ctypes.c_uint64),
+        ("words", ctypes.c_uint64),
+        ("capacity", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("context", ctypes.c_int),
+        ("seed", ctypes.c_uint32),
+        ("delay_ns", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+    ]
+
+
 class TransportPingArgs(ctypes.Structure):
     """Mirror of `deep_ep::TransportPingArgs` (transport_ping.cuh), passed by value."""
 
@@ -147,10 +170,13 @@ class TransportPingArgs(ctypes.Structure):
         ("dst_offset", ctypes.c_uint64),
         ("num_bytes", ctypes.c_uint64),
         ("signal_offset", ctypes.c_uint64),
+        ("snapshot_offset", ctypes.c_uint64),
         ("round", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
+        ("own_window", ctypes.c_uint64),
         ("rank", ctypes.c_int),
         ("num_ranks", ctypes.c_int),
+        ("mistake", ctypes.c_int),
         ("status", ctypes.c_uint64),
     ]
 
@@ -243,11 +269,15 @@ GIN_BACKENDS = ("PROXY", "GDAKI", "GPI", "EFA_GDA")
 
 @functools.cache
 def transport_ping_spec(transport: str = "lsa", gin_backend: str = "PROXY") -> KernelSpec:
-    """The transport self-test (transport_ping.cuh) over `transport` (`'lsa'`, or `'gin'` built against
-    NCCL >= 2.30.4 with the one GIN backend `gin_backend` of `GIN_BACKENDS`)."""
+    """The transport self-test (transport_ping.cuh) over `transport`: `'lsa'`, the emulated NIC
+    (`'emulated-eager'`, `'emulated-strict'`, transport/emulated.cuh), or `'gin'` built against
+    NCCL >= 2.30.4 with the one GIN backend `gin_backend` of `GIN_BACKENDS`."""
     if transport == "lsa":
         return _spec("transport_ping", ("deep_ep::transport::Lsa", 256),
                      ("deep_ep::transport::Lsa::Args", "deep_ep::TransportPingArgs"))  # fmt: skip
+    if transport in EMULATED_TRANSPORTS:
+        name = f"deep_ep::transport::Emulated<{'true' if transport == 'emulated-strict' else 'false'}>"
+        return _spec("transport_ping", (name, 256), (f"{name}::Args", "deep_ep::TransportPingArgs"))
     if transport != "gin" or gin_backend not in GIN_BACKENDS:
         raise ValueError(f"transport_ping_spec: no transport {transport!r} with GIN backend {gin_backend!r}")
     flags = ("-DDEEP_EP_WITH_GIN=1", *(f"-DNCCL_GIN_{b}_ENABLE={int(b == gin_backend)}" for b in GIN_BACKENDS))

@@ -1,15 +1,20 @@
 #pragma once
 
 // Transport self-test: every rank puts `num_bytes` of its window (at `src_offset`) into each peer's
-// window (at `dst_offset + rank * num_bytes`), signals that peer (the 64-bit word at `signal_offset +
-// rank * 8`), flushes, then waits until every peer's word reached `round`, with a deadline. A warp
-// per peer; `status[p]` becomes 1 once peer p's signal arrived, -1 on a deadline or a failed flush.
-// The host then checks the bytes. One body for every transport (`Transport`: transport/lsa.cuh,
-// and transport/gin.cuh with DEEP_EP_WITH_GIN).
+// window (at `dst_offset + rank * num_bytes`) and signals that peer (the 64-bit word at `signal_offset
+// + rank * 8`). It waits until every peer's word reached `round`, with a deadline, and at once copies
+// what that peer sent to `snapshot_offset + peer * num_bytes`: what a consumer reads right after the
+// signal, which the host checks. Then it flushes and reuses its source (overwrites it, as a kernel
+// reusing a staging buffer would). A warp per peer; `status[p]` becomes 1 once peer p's signal
+// arrived, -1 on a deadline or a failed flush. One body for every transport (`Transport`:
+// transport/lsa.cuh, transport/emulated.cuh, and transport/gin.cuh with DEEP_EP_WITH_GIN); with an
+// emulated NIC (`Transport::kHasNic`) the grid's last CTA is the NIC. `mistake` breaks the protocol
+// on purpose, so that tests can show a strict NIC catches it.
 
 #include <cstdint>
 
 #include <deep_ep/common/ptx.cuh>
+#include <deep_ep/transport/emulated.cuh>
 #include <deep_ep/transport/lsa.cuh>
 #if DEEP_EP_WITH_GIN
 #include <deep_ep/transport/gin.cuh>
@@ -17,45 +22,97 @@
 
 namespace deep_ep {
 
+// `TransportPingArgs::mistake` (the wrong ones need a transport with contexts for kPingSplitContexts)
+enum PingMistake : int { kPingCorrect = 0, kPingNoFlush = 1, kPingSignalFirst = 2, kPingSplitContexts = 3 };
+
 struct TransportPingArgs {
     uint64_t src_offset;
     uint64_t dst_offset;
     uint64_t num_bytes;  // a multiple of 16
     uint64_t signal_offset;
+    uint64_t snapshot_offset;
     uint64_t round;  // the value every peer's word reaches in this round
     uint64_t timeout_ns;
+    char* own_window;  // this rank's window base (the source is reused through it)
     int rank;
     int num_ranks;
+    int mistake;
     int* status;  // [num_ranks]
 };
+
+// Every thread of the CTA: overwrite the source block, as a kernel reusing a staging buffer would
+__device__ __forceinline__ void reuse_source(const TransportPingArgs& args) {
+    __syncthreads();
+    int4* src = reinterpret_cast<int4*>(args.own_window + args.src_offset);
+    for (size_t v = threadIdx.x; v < args.num_bytes / 16; v += blockDim.x) {
+        const int4 value = src[v];
+        src[v] = make_int4(~value.x, ~value.y, ~value.z, ~value.w);
+    }
+}
 
 template <typename Transport, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
     transport_ping_impl(typename Transport::Args transport_args, TransportPingArgs args) {
     const Transport transport(transport_args);
+    if constexpr (Transport::kHasNic) {
+        if (blockIdx.x == gridDim.x - 1) {
+            transport.run_nic(gridDim.x - 1);
+            return;
+        }
+    }
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     constexpr int kNumWarps = kNumThreads / 32;
     for (int peer = warp_idx; peer < args.num_ranks; peer += kNumWarps) {
         if (peer == args.rank) continue;
-        transport.put_warp(lane_idx, peer, args.dst_offset + args.rank * args.num_bytes, args.src_offset,
-                           args.num_bytes);
-        __syncwarp();
-        if (lane_idx == 0) transport.signal_add(peer, args.signal_offset + args.rank * 8, 1);
-        // The source may be reused only after the flush; a timeout cycle is about a nanosecond
-        const bool flushed = transport.flush_warp(args.timeout_ns);
-        if (lane_idx == 0 and not flushed) args.status[peer] = -1;
-    }
-    for (int peer = warp_idx; peer < args.num_ranks; peer += kNumWarps) {
-        if (peer == args.rank or lane_idx != 0 or args.status[peer] < 0) continue;
-        const uint64_t deadline = global_timer_ns() + args.timeout_ns;
-        int arrived = 0;
-        while (arrived == 0) {
-            if (transport.read_signal(args.signal_offset + peer * 8) >= args.round)
-                arrived = 1;
-            else if (global_timer_ns() > deadline)
-                arrived = -1;
+        const size_t dst_offset = args.dst_offset + args.rank * args.num_bytes;
+        const size_t signal_offset = args.signal_offset + args.rank * 8;
+        if (args.mistake == kPingSignalFirst) {
+            if (lane_idx == 0) transport.signal_add(peer, signal_offset, 1);
+            __syncwarp();
+            transport.put_warp(lane_idx, peer, dst_offset, args.src_offset, args.num_bytes);
+            continue;
         }
-        args.status[peer] = arrived;
+        transport.put_warp(lane_idx, peer, dst_offset, args.src_offset, args.num_bytes);
+        __syncwarp();
+        if constexpr (Transport::kHasNic) {
+            if (lane_idx == 0 and args.mistake == kPingSplitContexts)
+                transport.on_context(1 - transport_args.context).signal_add(peer, signal_offset, 1);
+            else if (lane_idx == 0)
+                transport.signal_add(peer, signal_offset, 1);
+        } else {
+            if (lane_idx == 0) transport.signal_add(peer, signal_offset, 1);
+        }
+    }
+    transport.finish_posting();
+    // The source is reused only after the flush below; this mistake reuses it at once
+    if (args.mistake == kPingNoFlush) reuse_source(args);
+    for (int peer = warp_idx; peer < args.num_ranks; peer += kNumWarps) {
+        if (peer == args.rank) continue;
+        int arrived = 0;
+        if (lane_idx == 0) {
+            const uint64_t deadline = global_timer_ns() + args.timeout_ns;
+            while (arrived == 0) {
+                if (transport.read_signal(args.signal_offset + peer * 8) >= args.round)
+                    arrived = 1;
+                else if (global_timer_ns() > deadline)
+                    arrived = -1;
+            }
+            args.status[peer] = arrived;
+        }
+        // What the peer sent, read right after its signal (lane 0's acquire, shared by the warp)
+        if (__shfl_sync(0xffffffff, arrived, 0) == 1) {
+            const size_t offset = peer * args.num_bytes;
+            const int4* block = reinterpret_cast<const int4*>(args.own_window + args.dst_offset + offset);
+            int4* snapshot = reinterpret_cast<int4*>(args.own_window + args.snapshot_offset + offset);
+            for (size_t v = lane_idx; v < args.num_bytes / 16; v += 32) snapshot[v] = ld_window_v4(block + v);
+        }
+    }
+    if (args.mistake != kPingNoFlush) {
+        // One flush covers every put of the warp; a timeout cycle is about a nanosecond
+        const bool flushed = transport.flush_warp(args.timeout_ns);
+        for (int peer = warp_idx; lane_idx == 0 and not flushed and peer < args.num_ranks; peer += kNumWarps)
+            if (peer != args.rank) args.status[peer] = -1;
+        reuse_source(args);
     }
 }
 

@@ -20,6 +20,8 @@
 namespace deep_ep::transport {
 
 struct Gin {
+    static constexpr bool kHasNic = false;  // no NIC of ours to run (emulated.cuh has one)
+
     struct Args {
         ncclDevComm comm;     // the device communicator of a communicator of our own (never torch's)
         ncclWindow_t window;  // our window, registered with NCCL_WIN_STRICT_ORDERING (VA signals need it)
@@ -61,6 +63,9 @@ struct Gin {
     __device__ __forceinline__ uint64_t read_signal(size_t word_offset) const {
         return gin.readSignal(window, word_offset, 64, cuda::memory_order_acquire);
     }
+
+    // Nothing to tell: no NIC of ours drains a queue
+    __device__ __forceinline__ void finish_posting() const {}
 };
 
 }  // namespace deep_ep::transport

@@ -15,6 +15,8 @@
 namespace deep_ep::transport {
 
 struct Lsa {
+    static constexpr bool kHasNic = false;  // no NIC of ours to run (emulated.cuh has one)
+
     struct Args {
         char* const* peer_windows;  // [num_ranks] every rank's window base, as this rank reaches it
         int rank;
@@ -44,6 +46,9 @@ struct Lsa {
     __device__ __forceinline__ uint64_t read_signal(size_t word_offset) const {
         return ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(args.peer_windows[args.rank] + word_offset));
     }
+
+    // Nothing to tell: no NIC of ours drains a queue
+    __device__ __forceinline__ void finish_posting() const {}
 };
 
 }  // namespace deep_ep::transport
