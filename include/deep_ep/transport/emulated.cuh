@@ -165,6 +165,14 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers) const {
             for (int c = 0; c < kNicContexts; ++c) heads[c] = 0;
         }
         __syncthreads();
+        // Thread 0: drop pending descriptor `i` (the last one takes its place; order is in the slots)
+        auto remove = [&](int i) {
+            const int last = --num_pending;
+            for (int w = 0; w < 4; ++w) pending[i][w] = pending[last][w];
+            pending_slot[i] = pending_slot[last];
+            pending_context[i] = pending_context[last];
+            pending_since[i] = pending_since[last];
+        };
         uint32_t random = args.seed * 2654435761u + static_cast<uint32_t>(args.rank) * 40503u + 1u;
         const uint64_t deadline = global_timer_ns() + args.timeout_ns;
         while (true) {
@@ -199,11 +207,7 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers) const {
                     fence_acq_rel_sys();
                     red_add_release_sys_u64(reinterpret_cast<uint64_t*>(args.peer_windows[peer] + pending[i][1]),
                                             pending[i][2]);
-                    const int last = --num_pending;
-                    for (int w = 0; w < 4; ++w) pending[i][w] = pending[last][w];
-                    pending_slot[i] = pending_slot[last];
-                    pending_context[i] = pending_context[last];
-                    pending_since[i] = pending_since[last];
+                    remove(i);
                 }
                 // Which puts have read their source: all before the first that has not run yet
                 for (int c = 0; c < kNicContexts; ++c) {
@@ -245,13 +249,7 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers) const {
                      pending[picked][2], pending[picked][3]);
             }
             __syncthreads();
-            if (threadIdx.x == 0 and picked >= 0) {
-                const int last = --num_pending;
-                for (int w = 0; w < 4; ++w) pending[picked][w] = pending[last][w];
-                pending_slot[picked] = pending_slot[last];
-                pending_context[picked] = pending_context[last];
-                pending_since[picked] = pending_since[last];
-            }
+            if (threadIdx.x == 0 and picked >= 0) remove(picked);
             if (picked == kIdle) __nanosleep(500);
         }
     }
