@@ -13,7 +13,8 @@ never waits behind a full queue and the host time is the call's own:
 - GPU: the device time per call from CUDA-graph replays (GPUs; a CPU-sync dispatch cannot be
   captured, so it has none).
 
-Several ranks: the slowest rank's median, as in the bandwidth tables.
+On GPUs the kernels' dispatch and combine of each case are first checked bitwise against
+`deep_ep.reference`. Several ranks: the slowest rank's median, as in the bandwidth tables.
 """
 
 from __future__ import annotations
@@ -86,6 +87,27 @@ def _graph_times_us(buffer: Any, inputs: tuple, rows: torch.Tensor, kwargs: dict
     return {host_op: times[graph_op] for host_op, graph_op in GRAPH_OPS.items()}
 
 
+def _check_against_reference(case: BenchCase, buffer: Any, out: tuple, x: Any, routed: dict,
+                             recv_rows: torch.Tensor, group: dist.ProcessGroup) -> None:  # fmt: skip
+    """Raise `AssertionError` unless `buffer`'s dispatch `out` of `x` and a combine of its handle are
+    bitwise what `deep_ep.reference` gives (collective)."""
+    import deep_ep
+
+    from .runner import check_combine, check_dispatch
+
+    reference = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=case.num_tokens, hidden=case.hidden,
+                                      num_topk=case.num_topk, use_fp8_dispatch=case.fp8_dispatch,
+                                      backend="reference", explicitly_destroy=True)  # fmt: skip
+    try:
+        ref_out = reference.dispatch(x, **routed)
+        what = f"T={case.num_tokens} {case.dtype} {case.routing}, host bench"
+        check_dispatch(out, ref_out, out[3].num_recv_tokens, f"{what} dispatch")
+        check_combine(buffer.combine(recv_rows, out[3])[0], reference.combine(recv_rows, ref_out[3])[0],
+                      f"{what} combine")  # fmt: skip
+    finally:
+        reference.destroy()
+
+
 def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup, config: BenchConfig) -> list[dict]:
     """One case on one rank: a row per operation with this rank's medians (collective)."""
     num_ranks, device = group.size(), config.device
@@ -101,9 +123,12 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
     x, topk_idx, weights = make_inputs(case, rank, num_ranks, device, config.seed, config.hot_fraction)
     kwargs = dict(num_experts=case.num_experts, num_max_tokens_per_rank=case.num_tokens, num_sms=0)
     routed = dict(topk_idx=topk_idx, topk_weights=weights, **kwargs)
-    handle = buffer.dispatch(x, **routed)[3]
+    out = buffer.dispatch(x, **routed)
+    handle = out[3]
     expert_rows = random_rows(num_ranks * case.num_tokens, case.hidden, device, config.seed * 7 + rank)
     recv_rows = expert_rows[: handle.num_recv_tokens]
+    if on_gpu:  # what is timed is first checked against the reference (on CPU ranks it is the reference)
+        _check_against_reference(case, buffer, out, x, routed, recv_rows, group)
     calls = {
         "dispatch_no_sync": lambda: buffer.dispatch(x, do_cpu_sync=False, **routed),
         "dispatch_cpu_sync": lambda: buffer.dispatch(x, **routed),
