@@ -292,8 +292,16 @@ def test_plan_command_prints_both_modes_and_json():
 def test_plan_command_rejects_impossible_shapes():
     result = _cli("--ranks", "6", "--ranks-per-node", "4")
     assert result.returncode == 1 and "`--ranks-per-node` (4)" in result.stderr
-    result = _cli("--ranks", "64", "--experts", "100")
-    assert result.returncode == 1 and "experts" in result.stderr
+    for args, message in (
+        (("--ranks", "64", "--experts", "100"), "`--experts` (100) must be a multiple of `--ranks` (64)"),
+        (("--ranks", "3"), "`--experts` (256) must be a multiple of `--ranks` (3)"),
+        (("--ranks", "3000"), "`--ranks` must be in [1, 2048], got 3000"),
+        (("--ranks", "8", "--topk", "0"), "`--topk` must be in [1, --experts = 256], got 0"),
+        (("--ranks", "8", "--tokens", "0"), "`--tokens` must be positive, got 0"),
+        (("--ranks", "8", "--experts", "-8"), "`--experts` must be positive, got -8"),
+    ):
+        result = _cli(*args)
+        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
