@@ -50,6 +50,20 @@ __device__ __forceinline__ void reuse_source(const TransportPingArgs& args) {
     }
 }
 
+// One thread: add 1 to `peer`'s word; with `other_context`, on the context the put did not use
+// (a transport with contexts only: the emulated NIC)
+template <typename Transport>
+__device__ __forceinline__ void signal_peer(const Transport& transport, bool other_context, int peer,
+                                            size_t signal_offset) {
+    if constexpr (Transport::kHasNic) {
+        if (other_context) {
+            transport.on_context(1 - transport.args.context).signal_add(peer, signal_offset, 1);
+            return;
+        }
+    }
+    transport.signal_add(peer, signal_offset, 1);
+}
+
 template <typename Transport, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
     transport_ping_impl(typename Transport::Args transport_args, TransportPingArgs args) {
@@ -74,14 +88,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         transport.put_warp(lane_idx, peer, dst_offset, args.src_offset, args.num_bytes);
         __syncwarp();
-        if constexpr (Transport::kHasNic) {
-            if (lane_idx == 0 and args.mistake == kPingSplitContexts)
-                transport.on_context(1 - transport_args.context).signal_add(peer, signal_offset, 1);
-            else if (lane_idx == 0)
-                transport.signal_add(peer, signal_offset, 1);
-        } else {
-            if (lane_idx == 0) transport.signal_add(peer, signal_offset, 1);
-        }
+        if (lane_idx == 0) signal_peer(transport, args.mistake == kPingSplitContexts, peer, signal_offset);
     }
     transport.finish_posting();
     // The source is reused only after the flush below; this mistake reuses it at once

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include <deep_ep/common/ptx.cuh>
+#include <deep_ep/transport/lsa.cuh>
 
 namespace deep_ep::transport {
 
@@ -47,10 +48,12 @@ struct Emulated {
         uint64_t timeout_ns;  // the NIC's deadline, and every flush's
     };
     Args args;
+    Lsa direct;  // the stores of eager mode and of the NIC, the reads of the signal words
     // Lane 0: the slot of the warp's last put on its context (-1: none yet)
     mutable int last_put_slot = -1;
 
-    __device__ __forceinline__ explicit Emulated(const Args& args_) : args(args_) {}
+    __device__ __forceinline__ explicit Emulated(const Args& args_)
+        : args(args_), direct(Lsa::Args{args_.peer_windows, args_.rank}) {}
 
     // The same NIC and queues, posting on `context`
     __device__ __forceinline__ Emulated on_context(int context) const {
@@ -67,7 +70,7 @@ struct Emulated {
                 if (slot >= 0) last_put_slot = slot;
             }
         } else {
-            copy(lane_idx, 32, peer, dst_offset, src_offset, num_bytes);
+            direct.put_warp(lane_idx, peer, dst_offset, src_offset, num_bytes);
         }
     }
 
@@ -76,8 +79,7 @@ struct Emulated {
         if constexpr (kStrict) {
             post(kNicSignal | static_cast<uint64_t>(peer) << 8, word_offset, value, 0);
         } else {
-            fence_acq_rel_sys();
-            red_add_release_sys_u64(reinterpret_cast<uint64_t*>(args.peer_windows[peer] + word_offset), value);
+            direct.signal_add(peer, word_offset, value);
         }
     }
 
@@ -103,7 +105,7 @@ struct Emulated {
     }
 
     __device__ __forceinline__ uint64_t read_signal(size_t word_offset) const {
-        return ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(args.peer_windows[args.rank] + word_offset));
+        return direct.read_signal(word_offset);
     }
 
     // Every thread of every issuing CTA calls it after its last post: the NIC stops once every
@@ -140,14 +142,6 @@ private:
         fence_acq_rel_sys();
         st_relaxed_sys_u64(d, head);
         return slot;
-    }
-
-    // `num_bytes` (a multiple of 16) from our window to `peer`'s, by threads `first, first + stride, ...`
-    __device__ __forceinline__ void copy(int first, int stride, int peer, size_t dst_offset, size_t src_offset,
-                                         size_t num_bytes) const {
-        const int4* src = reinterpret_cast<const int4*>(args.peer_windows[args.rank] + src_offset);
-        int4* dst = reinterpret_cast<int4*>(args.peer_windows[peer] + dst_offset);
-        for (size_t v = first; v < num_bytes / 16; v += stride) st_na_v4(dst + v, ld_window_v4(src + v));
     }
 };
 
@@ -204,9 +198,7 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers) const {
                         continue;
                     }
                     const int peer = static_cast<int>(pending[i][0] >> 8);
-                    fence_acq_rel_sys();
-                    red_add_release_sys_u64(reinterpret_cast<uint64_t*>(args.peer_windows[peer] + pending[i][1]),
-                                            pending[i][2]);
+                    direct.signal_add(peer, pending[i][1], pending[i][2]);
                     remove(i);
                 }
                 // Which puts have read their source: all before the first that has not run yet
@@ -245,8 +237,8 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers) const {
             const int picked = action;
             if (picked == kExit) break;
             if (picked >= 0) {
-                copy(threadIdx.x, blockDim.x, static_cast<int>(pending[picked][0] >> 8), pending[picked][1],
-                     pending[picked][2], pending[picked][3]);
+                direct.copy(threadIdx.x, blockDim.x, static_cast<int>(pending[picked][0] >> 8), pending[picked][1],
+                            pending[picked][2], pending[picked][3]);
             }
             __syncthreads();
             if (threadIdx.x == 0 and picked >= 0) remove(picked);

@@ -29,9 +29,15 @@ struct Lsa {
     // then `signal_add` from one lane)
     __device__ __forceinline__ void put_warp(int lane_idx, int peer, size_t dst_offset, size_t src_offset,
                                              size_t num_bytes) const {
+        copy(lane_idx, 32, peer, dst_offset, src_offset, num_bytes);
+    }
+
+    // The copy of `put_warp` by threads `first, first + stride, ...` (the emulated NIC uses a CTA)
+    __device__ __forceinline__ void copy(int first, int stride, int peer, size_t dst_offset, size_t src_offset,
+                                         size_t num_bytes) const {
         const int4* src = reinterpret_cast<const int4*>(args.peer_windows[args.rank] + src_offset);
         int4* dst = reinterpret_cast<int4*>(args.peer_windows[peer] + dst_offset);
-        for (size_t v = lane_idx; v < num_bytes / 16; v += 32) st_na_v4(dst + v, ld_window_v4(src + v));
+        for (size_t v = first; v < num_bytes / 16; v += stride) st_na_v4(dst + v, ld_window_v4(src + v));
     }
 
     // Strong: a peer that observes the add sees every store the warp made before the `__syncwarp`
