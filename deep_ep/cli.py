@@ -545,24 +545,20 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     from deep_ep import planner
     from deep_ep.records import hidden_row_error
 
-    # The options by their names here (the planner's own checks name its Python arguments)
+    # The default node size depends on --ranks, so these two come first, and say when the default applied
     if not 1 <= args.ranks <= planner.MAX_RANKS:
         raise ValueError(f"plan: `--ranks` must be in [1, {planner.MAX_RANKS}], got {args.ranks}")
     ranks_per_node = args.ranks_per_node or min(args.ranks, DEFAULT_RANKS_PER_NODE)
     if args.ranks % ranks_per_node != 0:
         raise ValueError(f"plan: `--ranks` ({args.ranks}) must be a positive multiple of `--ranks-per-node` "
                          f"({ranks_per_node}{'' if args.ranks_per_node else ', the default min(ranks, 8)'})")  # fmt: skip
-    for name, value in (("--tokens", args.tokens), ("--hidden", args.hidden), ("--experts", args.experts)):
-        if value < 1:
-            raise ValueError(f"plan: `{name}` must be positive, got {value}")
-    if args.experts % args.ranks != 0:
-        raise ValueError(f"plan: `--experts` ({args.experts}) must be a multiple of `--ranks` ({args.ranks})")
-    if not 1 <= args.topk <= args.experts:
-        raise ValueError(f"plan: `--topk` must be in [1, --experts = {args.experts}], got {args.topk}")
+    shape = planner.MoEShape(args.tokens, args.hidden, args.topk, args.experts, fp8_dispatch=args.fp8)
+    # The planner's checks, naming the options as typed
+    planner.check_inputs(shape, args.ranks, ranks_per_node, {name: f"--{name.replace('_', '-')}"
+                                                             for name in planner.PLAN_INPUT_NAMES})  # fmt: skip
     error = hidden_row_error(args.hidden, 1 if args.fp8 else 2)
     if error is not None:
         raise ValueError(f"plan: `--hidden` {error}, as dispatch requires")
-    shape = planner.MoEShape(args.tokens, args.hidden, args.topk, args.experts, fp8_dispatch=args.fp8)
     hardware = planner.detect_hardware()
     num_nodes = args.ranks // ranks_per_node
     modes = ("direct",) if num_nodes == 1 else ("direct", "hybrid")

@@ -213,18 +213,28 @@ def expected_hit_groups(num_experts: int, num_topk: int, num_groups: int) -> flo
     return num_groups * (1.0 - miss)
 
 
-def check_inputs(shape: MoEShape, num_ranks: int, num_ranks_per_domain: int) -> None:
-    """Raise `ValueError` naming the argument for shapes no plan exists for."""
+# How `check_inputs` names the quantities it checks (`deep-ep plan` passes its options' names)
+PLAN_INPUT_NAMES = {"ranks": "ranks", "ranks_per_node": "ranks_per_node", "tokens": "tokens", "hidden": "hidden",
+                    "experts": "experts", "topk": "topk"}  # fmt: skip
+
+
+def check_inputs(shape: MoEShape, num_ranks: int, num_ranks_per_domain: int,
+                 names: dict[str, str] = PLAN_INPUT_NAMES) -> None:  # fmt: skip
+    """Raise `ValueError` naming the argument (as `names` calls it) for shapes no plan exists for."""
     if not 1 <= num_ranks <= MAX_RANKS:
-        raise ValueError(f"plan: `ranks` must be in [1, {MAX_RANKS}], got {num_ranks}")
+        raise ValueError(f"plan: `{names['ranks']}` must be in [1, {MAX_RANKS}], got {num_ranks}")
     if num_ranks_per_domain < 1 or num_ranks % num_ranks_per_domain != 0:
-        raise ValueError(f"plan: `ranks` ({num_ranks}) must be a multiple of `ranks_per_node` ({num_ranks_per_domain})")
-    if shape.num_experts < 1 or shape.num_experts % num_ranks != 0:
-        raise ValueError(f"plan: `experts` ({shape.num_experts}) must be a positive multiple of `ranks` ({num_ranks})")
+        raise ValueError(f"plan: `{names['ranks']}` ({num_ranks}) must be a multiple of `{names['ranks_per_node']}` "
+                         f"({num_ranks_per_domain})")  # fmt: skip
+    for name, value in (("tokens", shape.num_tokens), ("hidden", shape.hidden), ("experts", shape.num_experts)):
+        if value < 1:
+            raise ValueError(f"plan: `{names[name]}` must be positive, got {value}")
+    if shape.num_experts % num_ranks != 0:
+        raise ValueError(f"plan: `{names['experts']}` ({shape.num_experts}) must be a multiple of `{names['ranks']}` "
+                         f"({num_ranks})")  # fmt: skip
     if not 1 <= shape.num_topk <= shape.num_experts:
-        raise ValueError(f"plan: `topk` must be in [1, experts = {shape.num_experts}], got {shape.num_topk}")
-    if shape.hidden < 1 or shape.num_tokens < 1:
-        raise ValueError(f"plan: `hidden` and `tokens` must be positive, got {shape.hidden} and {shape.num_tokens}")
+        raise ValueError(f"plan: `{names['topk']}` must be in [1, {names['experts']} = {shape.num_experts}], got "
+                         f"{shape.num_topk}")  # fmt: skip
 
 
 def traffic(shape: MoEShape, num_ranks: int, num_ranks_per_domain: int, mode: str = "direct") -> Traffic:
