@@ -418,7 +418,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         config.seed = args.seed
     config.graphs = config.graphs and not args.no_graphs
     config.breakdown = args.breakdown
+    config.host_profile = args.profile
     config.hot_fraction = args.hot_fraction
+    if args.profile and not args.host:
+        raise ValueError("bench: `--profile` profiles the calls of `--host`; add --host")
     if args.host:
         options = (("--sms", args.sms), ("--plot", args.plot), ("--breakdown", args.breakdown))
         if given := [name for name, value in options if value]:
@@ -485,6 +488,9 @@ def register_bench(subparsers: Any) -> None:
     parser.add_argument("--host", action="store_true",
                         help="instead of bandwidth: what each call costs the host (wall and CPU time from entry to "
                              "return), its eager wall time and its GPU time, per operation (deep_ep.bench.host)")  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="with --host: profile the first rank's calls and print where their host time goes, by "
+                             "area and by function (deep_ep.bench.host_profile)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="seed of the inputs (default: from the clock)")
     parser.add_argument(
         "--json", default=None, metavar="FILE", help="write the results (with commit, command, hardware, date)"

@@ -69,3 +69,36 @@ def test_host_summary_takes_each_fields_slowest_rank():
     (summary,) = host.summarize([[row(0, 5.0, 3.0)], [row(1, 7.0, None)]])
     assert (summary["host_wall_us"], summary["host_cpu_us"], summary["eager_wall_us"]) == (7.0, 3.5, 8.0)
     assert summary["gpu_us"] == 3.0 and summary["host_target_us"] == 20.0 and "rank" not in summary
+
+
+def test_host_profile_says_where_each_operations_host_time_goes(tmp_path):
+    json_path = tmp_path / "host.json"
+    result = _bench(tmp_path, "--tokens", "32", "--iters", "3", "--profile", "--json", str(json_path))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(json_path.read_text())["results"]
+    assert [r["op"] for r in rows] == list(host.HOST_OPS)
+    for row in rows:
+        profile = row["profile"]
+        assert profile["num_calls"] == 3 and profile["total_us"] > 0
+        assert abs(sum(profile["areas"].values()) - profile["total_us"]) < 1e-6 * profile["total_us"] + 1e-9
+        own = [f["own_us"] for f in profile["top"]]
+        assert own == sorted(own, reverse=True) and len(own) == 15
+        # The facade's validation runs in every call, and each call enters `ElasticBuffer.dispatch`/`combine`
+        assert "validation (deep_ep.validation)" in profile["areas"], profile["areas"]
+        assert f"profile of {row['op']}, T=32 fp8 uniform" in result.stdout
+    assert "top functions (own us, cumulative us, calls per call)" in result.stdout
+
+
+def test_profile_areas_follow_where_the_code_lives_and_profile_needs_host(tmp_path):
+    from deep_ep.bench import host_profile
+
+    assert host_profile.area_of("~") == host_profile._C_AREA
+    assert host_profile.area_of("/x/site-packages/deep_ep/validation.py").startswith("validation")
+    assert host_profile.area_of("/r/deep_ep/backends/kernels/dispatch.py").startswith("kernels backend")
+    assert host_profile.area_of("/r/deep_ep/backends/reference/backend.py") == "reference backend"
+    assert host_profile.area_of("/r/deep_ep/buffer.py").startswith("facade")
+    assert host_profile.area_of("/usr/lib/python3.11/site-packages/torch/cuda/streams.py") == "torch's Python"
+    assert host_profile.area_of("/usr/lib/python3.11/contextlib.py") == host_profile._OTHER_AREA
+    result = subprocess.run([sys.executable, "-m", "deep_ep.cli", "bench", "--profile"], capture_output=True,
+                            text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 1 and "`--profile` profiles the calls of `--host`; add --host" in result.stderr

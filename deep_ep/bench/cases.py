@@ -63,6 +63,7 @@ class BenchConfig:
         num_graph_samples: barrier-aligned samples of back-to-back graph replays (GPUs only).
         graphs: time CUDA-graph replays (GPUs only).
         breakdown: per-kernel device times of the planner's cases from the torch profiler.
+        host_profile: `--host` only: profile the first rank's calls (`deep_ep.bench.host_profile`).
         speed_of_light: measure our peer-store probe (GPUs only).
         hot_fraction: the share of tokens that prefer the hot rank in imbalanced routing.
         seed: the seed of every input.
@@ -79,6 +80,7 @@ class BenchConfig:
     num_graph_samples: int = 5
     graphs: bool = True
     breakdown: bool = False
+    host_profile: bool = False
     speed_of_light: bool = True
     hot_fraction: float = DEFAULT_HOT_FRACTION
     seed: int = field(default_factory=lambda: time.time_ns() % 1_000_000)

@@ -14,7 +14,8 @@ never waits behind a full queue and the host time is the call's own:
   captured, so it has none).
 
 On GPUs the kernels' dispatch and combine of each case are first checked bitwise against
-`deep_ep.reference`. Several ranks: the slowest rank's median, as in the bandwidth tables.
+`deep_ep.reference`. Several ranks: the slowest rank's median, as in the bandwidth tables. With
+`--profile`, the first rank's calls are then profiled (`deep_ep.bench.host_profile`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..host_reads import wait_for_stream
-from . import HOST_COLUMNS, report
+from . import HOST_COLUMNS, host_profile, report
 from .cases import BenchCase, BenchConfig, make_inputs, random_rows
 
 HOST_OPS = ("dispatch_no_sync", "dispatch_cpu_sync", "cached_dispatch", "combine")
@@ -137,6 +138,9 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
     }
     drain = wait_for_stream if on_gpu else lambda: None  # CPU ranks: every call returns done
     times = {op: _time_call(calls[op], align, drain, config.num_warmups, config.num_iters) for op in HOST_OPS}
+    profiles = {}
+    if config.host_profile:  # after the timed calls: the profiler's hooks must not slow those
+        profiles = {op: host_profile.profile_calls(calls[op], align, config.num_iters, rank == 0) for op in HOST_OPS}
     backend_name = type(buffer.backend).__name__
     gpu = {}
     if config.graphs and on_gpu and backend_name == "NvlinkBackend":
@@ -146,9 +150,8 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
     if rank == 0:
         walls = ", ".join(f"{op} {times[op]['host_wall_us']:.1f} us" for op in HOST_OPS)
         print(f"host cost, T={case.num_tokens} {case.dtype} {case.routing}: {walls}", file=sys.stderr, flush=True)
-    return [
-        dict(case=shape, op=op, rank=rank, backend=backend_name, gpu_us=gpu.get(op), **times[op]) for op in HOST_OPS
-    ]
+    return [dict(case=shape, op=op, rank=rank, backend=backend_name, gpu_us=gpu.get(op), profile=profiles.get(op),
+                 **times[op]) for op in HOST_OPS]  # fmt: skip
 
 
 def host_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> list[dict]:
@@ -171,7 +174,8 @@ def host_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig) -> list[
 
 def summarize(per_rank: list[list[dict]]) -> list[dict]:
     """One row per (case, operation): each time field is the slowest rank's median (`None` when no
-    rank measured it), with the target where issue 19 sets one (for the kernels, not the reference)."""
+    rank measured it), with the target where issue 19 sets one (for the kernels, not the reference),
+    and the first rank's profile (`None` without `--profile`)."""
     summary = []
     for same in zip(*per_rank, strict=True):
         row = {k: v for k, v in same[0].items() if k not in (*HOST_FIELDS, "rank")}
@@ -218,6 +222,11 @@ def run_host(config: BenchConfig, json_path: str | None = None, command: str | N
     per_rank = run_ranks(host_rank, config)
     rows = summarize(per_rank)
     print(format_table(rows, hardware, config.virtual_ranks))
+    for row in rows:
+        if row["profile"] is not None:
+            c = row["case"]
+            print(host_profile.format_profile(row["op"], f"T={c['num_tokens']} {c['dtype']} {c['routing']}",
+                                              row["profile"]))  # fmt: skip
     print(f"measured: {report.provenance(command, hardware)}")
     if json_path:
         document = dict(commit=report.git_commit(), command=command or " ".join(sys.argv), hardware=hardware,
