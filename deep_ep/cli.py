@@ -409,7 +409,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from deep_ep.bench import cases, runner
 
     config = cases.default_config(sms=args.sms, tokens=args.tokens, dtypes=args.dtype, routings=args.routing,
-                                  num_ranks=args.ranks)  # fmt: skip
+                                  num_ranks=args.ranks, min_ranks=1 if args.host else 2)  # fmt: skip
     if args.iters is not None:
         config.num_iters = args.iters
     if args.samples is not None:
@@ -422,6 +422,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config.hot_fraction = args.hot_fraction
     if args.profile and not args.host:
         raise ValueError("bench: `--profile` profiles the calls of `--host`; add --host")
+    if args.profile and config.virtual_ranks and config.num_ranks > 1:
+        raise ValueError(
+            f"bench: `--profile` with virtual ranks needs `--ranks` 1, got {config.num_ranks}: virtual ranks are "
+            "threads of one process, which take turns in the interpreter, and cProfile (Python >= 3.12) sees them all"
+        )
     if args.host:
         options = (("--sms", args.sms), ("--plot", args.plot), ("--breakdown", args.breakdown))
         if given := [name for name, value in options if value]:
@@ -469,7 +474,8 @@ def register_bench(subparsers: Any) -> None:
     )
     parser.add_argument("--ranks", type=int, default=None,
                         help="ranks: virtual ranks on a machine with one GPU (default 4), at most the GPUs "
-                             "on a machine with several (default all), CPU ranks without GPUs (default 2)")  # fmt: skip
+                             "on a machine with several (default all), CPU ranks without GPUs (default 2); at "
+                             "least 2, 1 with --host")  # fmt: skip
     parser.add_argument("--tokens", type=_int_list, default=None, help="tokens per rank, e.g. 8192,4096,128")
     parser.add_argument("--dtype", type=_choice_list(DTYPES), default=None,
                         help="dispatch dtypes: fp8 (per-128 FP32 scales), bf16, or both, e.g. fp8,bf16 (default fp8)")  # fmt: skip

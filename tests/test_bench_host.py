@@ -102,3 +102,12 @@ def test_profile_areas_follow_where_the_code_lives_and_profile_needs_host(tmp_pa
     result = subprocess.run([sys.executable, "-m", "deep_ep.cli", "bench", "--profile"], capture_output=True,
                             text=True, timeout=600, cwd=tmp_path)  # fmt: skip
     assert result.returncode == 1 and "`--profile` profiles the calls of `--host`; add --host" in result.stderr
+
+
+def test_one_rank_is_a_host_bench_of_its_own_and_only_that(tmp_path):
+    result = _bench(tmp_path, "--ranks", "1", "--tokens", "16", "--iters", "2")
+    assert result.returncode == 0, result.stderr
+    assert "(1 CPU rank (gloo)" in result.stdout and "combine" in result.stdout
+    refused = subprocess.run([sys.executable, "-m", "deep_ep.cli", "bench", "--ranks", "1"], capture_output=True,
+                             text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 1 and "`--ranks` must be in [2, " in refused.stderr, refused.stderr

@@ -121,15 +121,17 @@ def default_config(
     dtypes: list[str] | None = None,
     routings: list[str] | None = None,
     num_ranks: int | None = None,
+    min_ranks: int = 2,
 ) -> BenchConfig:
     """DeepSeek-V3 shape on GPUs (T=8192/4096/128, H=7168, top-8, 256 experts, FP8 dispatch): one rank
     per GPU, or with one GPU `num_ranks` virtual ranks on it (default 4); a small shape on CPU ranks
-    (default 2). Every (dtype, routing, tokens) gets the planner's pick plus the `sms` sweep."""
+    (default 2). Every (dtype, routing, tokens) gets the planner's pick plus the `sms` sweep.
+    `min_ranks`: the fewest ranks the run measures anything with (the host cost: 1)."""
     from ..backends.kernels.layout import MAX_RANKS
 
     dtypes, routings = dtypes or ["fp8"], routings or ["uniform"]
-    if num_ranks is not None and not 2 <= num_ranks <= MAX_RANKS:
-        raise ValueError(f"bench: `--ranks` must be in [2, {MAX_RANKS}], got {num_ranks}")
+    if num_ranks is not None and not min_ranks <= num_ranks <= MAX_RANKS:
+        raise ValueError(f"bench: `--ranks` must be in [{min_ranks}, {MAX_RANKS}], got {num_ranks}")
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if num_gpus >= 2 and num_ranks is not None and num_ranks > num_gpus:
         raise ValueError(f"bench: `--ranks` {num_ranks} is more than the {num_gpus} GPUs of this machine")

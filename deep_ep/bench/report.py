@@ -446,17 +446,16 @@ def git_commit() -> str:
 
 
 def hardware_name(device: str, num_ranks: int, virtual_ranks: bool = False) -> str:
+    ranks = "rank" if num_ranks == 1 else "ranks"
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         if virtual_ranks:
-            return (f"{num_ranks} virtual ranks sharing one {props.name} ({props.multi_processor_count} SMs; "
+            return (f"{num_ranks} virtual {ranks} sharing one {props.name} ({props.multi_processor_count} SMs; "
                     "deep_ep.loopback, no NVLink)")  # fmt: skip
         return f"{num_ranks}x {props.name} ({props.multi_processor_count} SMs)"
     if virtual_ranks:
-        return (
-            f"{num_ranks} virtual CPU ranks (threads, deep_ep.loopback) on {platform.processor() or platform.machine()}"
-        )
-    return f"{num_ranks} CPU ranks (gloo) on {platform.processor() or platform.machine()}"
+        return f"{num_ranks} virtual CPU {ranks} (threads, deep_ep.loopback) on {platform.processor() or platform.machine()}"
+    return f"{num_ranks} CPU {ranks} (gloo) on {platform.processor() or platform.machine()}"
 
 
 def provenance(command: str | None, hardware: str) -> str:
