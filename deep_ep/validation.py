@@ -5,9 +5,12 @@ contiguity, value, combination of options) with a message that names the call, t
 expected and the actual value, e.g. "dispatch: `topk_idx` must have dtype torch.int64, got torch.int32".
 
 The value checks of `topk_idx` (range and repeated experts) read the tensor on the host (one
-synchronization). They are skipped while a CUDA graph is being captured, when the environment
-variable `EP_CHECK_VALUES=0` is set, and for a CPU-sync dispatch of a backend that checks the
-values on the device (the NVLink kernels).
+synchronization, which waits for everything queued before it). They run for a backend that cannot
+check the values on the device (the reference); a backend that can (the NVLink kernels) checks them
+in its dispatch kernel instead, which sends nothing when one is bad, so that a dispatch without CPU
+sync never waits on the host. `EP_CHECK_VALUES=1` makes the host check every dispatch (an error at
+once, at the cost of that synchronization), `EP_CHECK_VALUES=0` none; never while a CUDA graph is
+being captured.
 
 Misuse of the buffer itself is checked here too, before any kernel runs: a handle of another buffer
 (another process group, `LoopbackWorld` or virtual rank, or a buffer that is gone), a current CUDA
@@ -51,7 +54,8 @@ class ValidationContext:
         deterministic: the buffer's flag, copied into the requests.
         allow_multiple_reduction: the buffer's flag, copied into the requests.
         device_checks_topk_values: the backend checks `topk_idx` values on the device, sends nothing
-            when they are bad and raises from its CPU-sync wait (so no host check is needed there).
+            when they are bad and raises from its CPU-sync wait or at the rank's next call (so the host
+            does not check them unless `EP_CHECK_VALUES=1`).
         backend_name: the backend's name, for messages.
         supports_graph_capture: the backend's calls without CPU sync wait for nothing on the host, so
             a CUDA graph can record them.
@@ -82,11 +86,14 @@ def graph_capture_active() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def value_checks_enabled() -> bool:
-    """Whether the host-side value checks of `topk_idx` run now (not while capturing a CUDA graph)."""
-    if os.environ.get("EP_CHECK_VALUES", "1") == "0":
+def host_checks_values(device_checks_values: bool) -> bool:
+    """Whether a dispatch reads its `topk_idx` values on the host now: with `EP_CHECK_VALUES=1` always,
+    with `0` never, unset only where the backend does not check them on the device
+    (`device_checks_values`); never while capturing a CUDA graph."""
+    mode = os.environ.get("EP_CHECK_VALUES", "")
+    if mode == "0" or graph_capture_active():
         return False
-    return not graph_capture_active()
+    return mode == "1" or not device_checks_values
 
 
 def check_current_device(op: str, device: torch.device) -> None:
@@ -409,8 +416,9 @@ def validate_dispatch(
         given_cpu_sync = do_cpu_sync
         do_cpu_sync = True if do_cpu_sync is None else as_bool(op, "do_cpu_sync", do_cpu_sync)
         check_cpu_sync_in_capture(op, do_cpu_sync, given_cpu_sync)
-        # A backend that validates on the device raises from its CPU-sync wait, before any data moves
-        if value_checks_enabled() and not (do_cpu_sync and ctx.device_checks_topk_values):
+        # A backend that validates on the device sends nothing when a value is bad and raises from
+        # its CPU-sync wait, or without one at the rank's next call
+        if host_checks_values(ctx.device_checks_topk_values):
             check_topk_idx_values(op, topk_idx, num_experts)
     num_topk = topk_idx.shape[1]
 

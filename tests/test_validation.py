@@ -121,12 +121,24 @@ def test_bad_dispatch_argument(
         assert torch.equal(original, copy), f"`{k}` was modified"
 
 
-def test_value_checks_can_be_disabled(buffer: deep_ep.ElasticBuffer, inputs: dict[str, Any], monkeypatch: Any) -> None:
-    from deep_ep.validation import value_checks_enabled
+def test_host_value_checks_where_the_device_does_not_check_unless_told(monkeypatch: Any) -> None:
+    from deep_ep.validation import host_checks_values
 
-    assert value_checks_enabled()
+    monkeypatch.delenv("EP_CHECK_VALUES", raising=False)
+    assert host_checks_values(device_checks_values=False) and not host_checks_values(device_checks_values=True)
+    monkeypatch.setenv("EP_CHECK_VALUES", "1")
+    assert host_checks_values(device_checks_values=False) and host_checks_values(device_checks_values=True)
     monkeypatch.setenv("EP_CHECK_VALUES", "0")
-    assert not value_checks_enabled()
+    assert not host_checks_values(device_checks_values=False) and not host_checks_values(device_checks_values=True)
+
+
+def test_the_reference_backend_raises_a_bad_value_at_once_unless_checks_are_off(
+    buffer: deep_ep.ElasticBuffer, inputs: dict[str, Any], monkeypatch: Any
+) -> None:
+    bad = dict(inputs, topk_idx=inputs["topk_idx"].clone())
+    bad["topk_idx"][1, 0] = 10_000
+    monkeypatch.delenv("EP_CHECK_VALUES", raising=False)
+    raises(ValueError, "topk_idx", buffer.dispatch, **bad)
 
 
 def test_buffer_without_default_max_tokens(group: dist.ProcessGroup, inputs: dict[str, Any]) -> None:

@@ -328,18 +328,34 @@ def test_a_failure_inside_a_graph_replay_stops_every_rank_and_writes_nothing_out
     print(f"\ngraph fault, EP{num_ranks}: every rank raised; guards intact; rank 0: {outcomes[0]['error'][:160]}")
 
 
-def _bad_routing_rank(rank: int, group: dist.ProcessGroup, bad_rank: int) -> dict:
+def _bad_routing_rank(rank: int, group: dist.ProcessGroup, bad_rank: int, eager: bool) -> dict:
     from kernel_checks import check_dispatch, equal, make_inputs
 
     import deep_ep
 
     num_experts = 8 * group.size()
-    buf, topk_idx, graph, out = _captured_sequence(rank, group, 64, "bf16", "uniform", 3)
-    if rank == bad_rank:
-        topk_idx[17, 2] = num_experts + 5  # inside the graph: no host check sees it
-    graph.replay()
-    torch.cuda.current_stream().synchronize()
-    outcome: dict = {"dst_slots": out[3].dst_buffer_slot_idx.unique().tolist() if rank == bad_rank else None}
+    graph = None
+    outcome: dict = {}
+    if eager:  # a no-sync dispatch leaves the values to the kernel: no host sync
+        buf = _fault_buffer(group)
+        x, topk_idx, weights, _ = make_inputs(rank, group.size(), 64, 2048, "bf16", num_experts, 8, "uniform", 0.1,
+                                              0, 3, "cuda")  # fmt: skip
+        _no_sync_sequence(buf, x, topk_idx, weights, num_experts)
+        if rank == bad_rank:
+            topk_idx = topk_idx.clone()
+            topk_idx[17, 2] = num_experts + 5
+        topk_before = topk_idx.clone()
+        out = buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts, do_cpu_sync=False)
+        outcome["returned"] = True
+        torch.cuda.current_stream().synchronize()
+        outcome["inputs_intact"] = torch.equal(topk_idx, topk_before)
+    else:
+        buf, topk_idx, graph, out = _captured_sequence(rank, group, 64, "bf16", "uniform", 3)
+        if rank == bad_rank:
+            topk_idx[17, 2] = num_experts + 5  # inside the graph: no host check sees it
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+    outcome["dst_slots"] = out[3].dst_buffer_slot_idx.unique().tolist() if rank == bad_rank else None
     # The bad rank raises at its next call and tells its peers, which raise at their next wait for it
     calls = (lambda: buf.barrier()) if rank == bad_rank else (lambda: (buf.barrier(), buf.barrier()))
     outcome["error"] = _error_of(calls, (ValueError, deep_ep.EPPeerError))
@@ -363,17 +379,20 @@ def _bad_routing_rank(rank: int, group: dist.ProcessGroup, bad_rank: int) -> dic
     return outcome
 
 
-def test_invalid_routing_inside_a_graph_sends_nothing_and_raises_at_the_next_call():
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager-no-sync"])
+def test_invalid_routing_without_cpu_sync_sends_nothing_and_raises_at_the_next_call(eager):
     num_ranks, bad_rank = 4, 1
-    outcomes, damaged = _run_guarded(num_ranks, _bad_routing_rank, bad_rank)
+    outcomes, damaged = _run_guarded(num_ranks, _bad_routing_rank, bad_rank, eager)
     bad = outcomes[bad_rank]
     assert bad["dst_slots"] == [-1], bad
+    if eager:
+        assert all(o["returned"] and o["inputs_intact"] for o in outcomes), outcomes
     assert bad["error"] is not None and "at [17, 2]" in bad["error"] and f"got {8 * num_ranks + 5}" in bad["error"], bad
     for rank, outcome in enumerate(outcomes):
         if rank != bad_rank:
             assert f"rank {bad_rank} stopped the buffer" in (outcome["error"] or ""), outcomes
     assert damaged == [], damaged
-    print(f"\ninvalid routing in a graph: rank {bad_rank} raised {bad['error'][:140]}")
+    print(f"\ninvalid routing ({'eager' if eager else 'graph'}): rank {bad_rank} raised {bad['error'][:140]}")
 
 
 def _between_launches_rank(rank: int, group: dist.ProcessGroup) -> dict:

@@ -82,7 +82,7 @@ KNOCKOUTS = (
                 "is_bad = __syncthreads_or(any_bad) and false;",
             ),
         ),
-        _GPU_TESTS + "test_invalid_routing_inside_a_graph_sends_nothing_and_raises_at_the_next_call",
+        _GPU_TESTS + "test_invalid_routing_without_cpu_sync_sends_nothing_and_raises_at_the_next_call",
     ),
     Knockout(
         "buffer-alive-after-exception",
