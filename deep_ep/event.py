@@ -32,6 +32,13 @@ def shared_comm_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def current_stream(device_index: int) -> torch.cuda.Stream:
+    """`torch.cuda.current_stream(device_index)` without the device lookups that torch's own makes on
+    every call (a few microseconds each on the path of every dispatch and combine)."""
+    stream_id, index, device_type = torch._C._cuda_getCurrentStream(device_index)
+    return torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=device_type)
+
+
 def avoid_record_stream() -> bool:
     """`EP_AVOID_RECORD_STREAM=1` (DeepEP V2's switch): an asynchronous call does not `record_stream`
     its inputs on the communication stream; the caller keeps them alive until it waited for the event."""
@@ -147,9 +154,12 @@ class CommStreamScope:
     Enter: the comm stream waits for `previous_event` (or the current compute stream) and becomes
     current, so the backend's work and allocations happen there. Exit (`finish`): with
     `async_with_compute_stream`, an event is recorded on the comm stream and every input/output tensor
-    is `record_stream`ed on both streams; otherwise the compute stream waits for the comm stream, and
+    is `record_stream`ed on both streams; otherwise the compute stream waits for that event, and
     outputs are recorded on the compute stream unless `allocate_on_comm_stream` (they came from the
     comm stream's pool). Without CUDA every step is a no-op.
+
+    The comm stream is on the current device (the facade checked it), so making it current is
+    `set_stream`, not `torch.cuda.stream`'s context, which looks the devices up again.
     """
 
     def __init__(
@@ -162,23 +172,23 @@ class CommStreamScope:
         self.comm_stream = comm_stream
         self.async_with_compute_stream = async_with_compute_stream
         self.allocate_on_comm_stream = allocate_on_comm_stream
-        self.compute_stream = torch.cuda.current_stream() if comm_stream is not None else None
-        self._context: Any = None
+        self.compute_stream = None if comm_stream is None else current_stream(comm_stream.device_index)
+        self._entered = False
         if comm_stream is not None:
             if previous_event is not None:
                 previous_event.stream_wait(comm_stream)
             else:
                 comm_stream.wait_stream(self.compute_stream)
-            self._context = torch.cuda.stream(comm_stream)
-            self._context.__enter__()
+            torch.cuda.set_stream(comm_stream)
+            self._entered = True
 
     def finish(self, inputs: Iterable[Any], outputs: Iterable[Any]) -> EventHandle:
         """Leave the comm stream and return the event that marks the end of the call."""
         if self.comm_stream is None:
             return EventHandle(use_cuda=False)
         event = EventHandle(self.comm_stream)
-        self._context.__exit__(None, None, None)
-        self._context = None
+        torch.cuda.set_stream(self.compute_stream)
+        self._entered = False
         if self.async_with_compute_stream:
             # Outputs come from the comm stream's pool: freed on the compute stream, they must wait
             # for its work there whatever `EP_AVOID_RECORD_STREAM` says (V2 allocates them there)
@@ -191,7 +201,7 @@ class CommStreamScope:
                     if isinstance(t, torch.Tensor) and t.is_cuda:
                         t.record_stream(self.comm_stream)
         else:
-            self.compute_stream.wait_stream(self.comm_stream)
+            self.compute_stream.wait_event(event.event)  # what `wait_stream` would record, recorded already
             if not self.allocate_on_comm_stream:
                 for t in outputs:
                     if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -200,6 +210,6 @@ class CommStreamScope:
 
     def abort(self) -> None:
         """Restore the compute stream after a failed call."""
-        if self._context is not None:
-            self._context.__exit__(None, None, None)
-            self._context = None
+        if self._entered:
+            torch.cuda.set_stream(self.compute_stream)
+            self._entered = False

@@ -16,6 +16,7 @@ from deep_ep.backends.base import (
     DispatchResult,
     EPBackend,
 )
+from deep_ep.event import current_stream
 
 from .combine import run_combine
 from .dispatch import run_dispatch
@@ -35,6 +36,7 @@ class NvlinkBackend(EPBackend):
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
+        self._device_index = config.device.index if config.device.index is not None else torch.cuda.current_device()
         transport = open_transport(group, config.num_bytes)
         self.runtime = NvlinkRuntime(transport.open_windows, transport.share,
                                      num_gpu_timeout_secs=config.num_gpu_timeout_secs,
@@ -74,7 +76,7 @@ class NvlinkBackend(EPBackend):
         scales = None if request.scales is None else request.scales.contiguous()
         out = run_dispatch(
             self.runtime,
-            torch.cuda.current_stream(),
+            current_stream(self._device_index),
             request.x,
             scales,
             request.topk_idx,
@@ -121,7 +123,7 @@ class NvlinkBackend(EPBackend):
         handle = request.handle
         combined_x, combined_w = run_combine(
             self.runtime,
-            torch.cuda.current_stream(),
+            current_stream(self._device_index),
             request.x,
             request.topk_weights,
             request.bias_0,

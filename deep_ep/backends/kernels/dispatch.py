@@ -204,7 +204,9 @@ def run_dispatch(
                 rejected = True
             else:
                 num_recv_tokens = sum(counts[: runtime.num_ranks])
-                counts_list = [align(c, expert_alignment) for c in counts[runtime.num_ranks : -1]]
+                counts_list = counts[runtime.num_ranks : -1]
+                if expert_alignment > 1:  # up to 256 experts: one expression per count, not a call
+                    counts_list = [-(-c // expert_alignment) * expert_alignment for c in counts_list]
                 num_expanded_rows = sum(counts_list)
                 num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
                 state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_recv_tokens,

@@ -16,6 +16,7 @@ letting a retry run at the same epoch.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -151,6 +152,9 @@ class NvlinkRuntime:
         self.timeout_ns = int(num_gpu_timeout_secs * 1e9)
         self.cpu_timeout_s = float(num_cpu_timeout_secs)
         self.error_block = torch.zeros(len(ERROR_WORDS), dtype=torch.int64, pin_memory=True)
+        # The same words read in place: every call reads two of them, and indexing the tensor costs
+        # microseconds (the block is pinned, so the device's writes land there)
+        self._error_words = (ctypes.c_int64 * len(ERROR_WORDS)).from_address(self.error_block.data_ptr())
         # Received counts per source rank, then per local expert, then the invalid-input flag: the
         # dispatch kernel fills the device copy, a D2H copy brings them to pinned memory (device reads
         # of host memory are slow)
@@ -197,7 +201,7 @@ class NvlinkRuntime:
         """Raise if this buffer failed: `EPTimeoutError` for a device wait that expired here or on a
         peer, `EPOperationMismatchError` when the ranks ran different operations, `EPError` after an
         exception between two launches of one operation."""
-        if self.dead_reason is None and int(self.error_block[0]) != 0:
+        if self.dead_reason is None and self._error_words[0] != 0:
             words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=True))
             if words["phase"] == HOST_ERROR_PHASE:
                 self.dead_reason = describe_host_error(words["rank"], self._peer_message(words["rank"]))
@@ -212,7 +216,7 @@ class NvlinkRuntime:
         """Raise the `ValueError` of an invalid `topk_idx` that an earlier dispatch found on the
         device (once; the buffer stays usable: that dispatch sent nothing). Called at the end of a
         call, once its own work is enqueued: raising before it would leave the peers waiting."""
-        if int(self.error_block[_INPUT_WORDS.start]) == 0:
+        if self._error_words[_INPUT_WORDS.start] == 0:
             return
         words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=True))
         self.error_block[_INPUT_WORDS] = 0
