@@ -777,12 +777,15 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                 request.topk_weights,
                 request.cumulative_local_expert_recv_stats,
             )
-            outputs = (
-                result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights, out_handle.topk_idx,
-                out_handle.psum_num_recv_tokens_per_scaleup_rank, out_handle.psum_num_recv_tokens_per_expert,
-                out_handle.num_unaligned_recv_tokens_per_expert, out_handle.recv_src_metadata,
-                out_handle.dst_buffer_slot_idx,
-            )  # fmt: skip
+            outputs: tuple = (result.recv_x, result.recv_scales, result.recv_topk_idx, result.recv_topk_weights)
+            if handle is None:
+                # A new handle's tensors; a cached dispatch's were recorded by the dispatch that made
+                # them (a tensor's streams are kept until it is freed)
+                outputs += (
+                    out_handle.topk_idx, out_handle.psum_num_recv_tokens_per_scaleup_rank,
+                    out_handle.psum_num_recv_tokens_per_expert, out_handle.num_unaligned_recv_tokens_per_expert,
+                    out_handle.recv_src_metadata, out_handle.dst_buffer_slot_idx,
+                )  # fmt: skip
             return (result, out_handle), inputs, outputs
 
         (result, handle), event = self._communicate(

@@ -73,7 +73,7 @@ def profile_calls(call: Callable[[], Any], align: Callable[[], None], num_calls:
     return None if profiler is None else summarize_stats(pstats.Stats(profiler), num_calls)
 
 
-def summarize_stats(stats: pstats.Stats, num_calls: int, num_top: int = 15) -> dict:
+def summarize_stats(stats: pstats.Stats, num_calls: int, num_top: int = 40) -> dict:
     """Per-call microseconds of `stats` (made of `num_calls` calls) by area and for the `num_top`
     functions of largest own time."""
     per_call_us = 1e6 / num_calls

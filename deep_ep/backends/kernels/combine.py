@@ -19,7 +19,35 @@ from deep_ep.records import CombineSlotLayout, combine_region_bytes, combine_use
 from . import specs
 from .dispatch import NvlinkDispatchState
 from .layout import arrival_block
-from .runtime import NvlinkRuntime, data_ptr, rows_per_task
+from .runtime import LaunchPlan, NvlinkRuntime, data_ptr, rows_per_task
+
+
+def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: int, do_expand: bool,
+                  num_max_tokens_per_rank: int, num_sms: int) -> LaunchPlan:  # fmt: skip
+    """The plan of a combine shape (its kernels: combine, epilogue), made the first time it runs."""
+    key = ("combine", hidden, num_topk, num_rows, do_expand, num_max_tokens_per_rank, num_sms)
+    plan = runtime.plans.get(key)
+    if plan is not None:
+        return plan
+    slot = CombineSlotLayout(hidden, num_topk)
+    lane_slots = combine_uses_lane_slots(runtime.num_ranks, num_topk, num_rows)
+    runtime.check_capacity(
+        combine_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows),
+        "combine",
+        lambda: (
+            f"{num_max_tokens_per_rank} tokens x {f'{num_topk} lanes' if lane_slots else f'{runtime.num_ranks} ranks'} "
+            f"x {slot.num_bytes} bytes"
+        ),
+    )
+    kernels = runtime.share.load([
+        specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand, runtime.rank_masking),
+        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, runtime.rank_masking),
+    ])  # fmt: skip
+    plan = LaunchPlan(kernels, runtime.comm_grid(num_sms),
+                        specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk),
+                        arrival_block(num_max_tokens_per_rank))  # fmt: skip
+    runtime.plans[key] = plan
+    return plan
 
 
 def run_combine(
@@ -62,23 +90,9 @@ def run_combine(
     hidden = x.shape[1]
     num_local_experts = num_experts // runtime.num_ranks
     num_rows = min(num_topk, num_local_experts) if (do_expand and not allow_multiple_reduction) else 1
-    slot = CombineSlotLayout(hidden, num_topk)
-    lane_slots = combine_uses_lane_slots(runtime.num_ranks, num_topk, num_rows)
-    runtime.check_capacity(
-        combine_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows),
-        "combine",
-        lambda: (
-            f"{num_max_tokens_per_rank} tokens x {f'{num_topk} lanes' if lane_slots else f'{runtime.num_ranks} ranks'} "
-            f"x {slot.num_bytes} bytes"
-        ),
-    )
-    num_sms = runtime.comm_grid(num_sms)
-    combine_kernel, epilogue_kernel = runtime.share.load([
-        specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand, runtime.rank_masking),
-        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, runtime.rank_masking),
-    ])  # fmt: skip
-    op_hash = specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk)
-    arrival_slots = arrival_block(num_max_tokens_per_rank)
+    plan = _combine_plan(runtime, hidden, num_topk, num_rows, do_expand, num_max_tokens_per_rank, num_sms)
+    (combine_kernel, epilogue_kernel), num_sms = plan.kernels, plan.num_sms
+    op_hash, arrival_slots = plan.op_hash, plan.arrival_slots
     empty = runtime.share.empty
     combined_x = empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
     combined_w = None

@@ -24,7 +24,7 @@ from deep_ep.utils.math import align
 
 from . import specs
 from .layout import arrival_block, tokens_per_group
-from .runtime import NvlinkRuntime, data_ptr, rows_per_task
+from .runtime import LaunchPlan, NvlinkRuntime, data_ptr, rows_per_task
 
 
 @dataclass
@@ -62,6 +62,32 @@ def _dispatch_outputs(
     out["psum_num_recv_tokens_per_rank"] = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
     out["psum_num_recv_tokens_per_expert"] = empty((num_local_experts,), dtype=torch.int32, device=device)
     return out
+
+
+def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, num_topk: int,
+                   num_max_tokens_per_rank: int, fresh: bool, do_expand: bool, num_sms: int) -> LaunchPlan:  # fmt: skip
+    """The plan of a dispatch shape, made (capacity checked, kernels loaded) the first time it runs."""
+    key = ("dispatch", hidden_bytes, scale_bytes, num_topk, num_max_tokens_per_rank, fresh, do_expand, num_sms)
+    plan = runtime.plans.get(key)
+    if plan is not None:
+        return plan
+    record = DispatchRecordLayout(hidden_bytes, scale_bytes, num_topk)
+    runtime.check_capacity(
+        dispatch_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, record.num_bytes),
+        "dispatch",
+        lambda: f"{num_max_tokens_per_rank} tokens x {runtime.num_ranks} ranks x {record.num_bytes} bytes",
+    )
+    args_common = (runtime.num_ranks, hidden_bytes, scale_bytes, num_topk)
+    masking = runtime.rank_masking
+    kernel_specs = [specs.dispatch_spec(*args_common, not fresh, masking)]
+    if fresh and do_expand:
+        kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common, masking))
+    kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand, masking))
+    plan = LaunchPlan(runtime.share.load(kernel_specs), runtime.comm_grid(num_sms),
+                        specs.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk),
+                        arrival_block(num_max_tokens_per_rank))  # fmt: skip
+    runtime.plans[key] = plan
+    return plan
 
 
 def run_dispatch(
@@ -110,26 +136,14 @@ def run_dispatch(
     hidden_bytes = x.shape[1] * x.element_size()
     scale_bytes = 0 if x_scales is None else x_scales.shape[1] * 4
     num_local_experts = num_experts // runtime.num_ranks
-    record = DispatchRecordLayout(hidden_bytes, scale_bytes, num_topk)
-    runtime.check_capacity(
-        dispatch_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, record.num_bytes),
-        "dispatch",
-        lambda: f"{num_max_tokens_per_rank} tokens x {runtime.num_ranks} ranks x {record.num_bytes} bytes",
-    )
     device = x.device
-    args_common = (runtime.num_ranks, hidden_bytes, scale_bytes, num_topk)
-    num_sms = runtime.comm_grid(num_sms)
     fresh = cached is None
     expand_ranks = fresh and do_expand
     masking = runtime.rank_masking
-    kernel_specs = [specs.dispatch_spec(*args_common, not fresh, masking)]
-    if expand_ranks:
-        kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common, masking))
-    kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand, masking))
-    loaded = runtime.share.load(kernel_specs)
+    plan = _dispatch_plan(runtime, hidden_bytes, scale_bytes, num_topk, num_max_tokens_per_rank, fresh, do_expand,
+                          num_sms)  # fmt: skip
+    loaded, num_sms, op_hash, arrival_slots = plan.kernels, plan.num_sms, plan.op_hash, plan.arrival_slots
     dispatch_kernel, epilogue_kernel = loaded[0], loaded[-1]
-    op_hash = specs.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk)
-    arrival_slots = arrival_block(num_max_tokens_per_rank)
     max_recv = runtime.num_ranks * num_max_tokens_per_rank
     empty = runtime.share.empty
 

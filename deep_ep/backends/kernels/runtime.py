@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,6 +70,18 @@ def rows_per_task(num_rows: int, num_sms: int, max_rows: int) -> int:
     while rows < max_rows and num_rows >= 8 * rows * num_warps:
         rows *= 2
     return rows
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one operation shape needs besides its tensors, worked out the first time it runs
+    (`NvlinkRuntime.plans`): its kernels, loaded, in launch order; its communication grid; the
+    signature its peers check (`op_hash`); its arrival block."""
+
+    kernels: list[Any]
+    num_sms: int
+    op_hash: int
+    arrival_slots: int
 
 
 def describe_fault(words: dict[str, int], timeout_s: float) -> str:
@@ -169,6 +182,8 @@ class NvlinkRuntime:
         self._timed_out_word = torch.zeros(8, dtype=torch.uint8, pin_memory=True)
         self._fault_stream, self._fault_stream_handle = _own_stream()
         self.num_experts_checked = 0  # of the last dispatch that validated routing on the device
+        # Per operation shape, what does not change between its calls (kernels, grid, signature)
+        self.plans: dict[tuple, LaunchPlan] = {}
         self.dead_reason: str | None = None
         self._dead_error: type[EPError] = EPError
         self.windows = open_windows()
