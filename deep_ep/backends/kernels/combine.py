@@ -44,8 +44,8 @@ def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: 
         specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, runtime.rank_masking),
     ])  # fmt: skip
     plan = LaunchPlan(kernels, runtime.comm_grid(num_sms),
-                        specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk),
-                        arrival_block(num_max_tokens_per_rank))  # fmt: skip
+                      specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk),
+                      arrival_block(num_max_tokens_per_rank))  # fmt: skip
     runtime.plans[key] = plan
     return plan
 

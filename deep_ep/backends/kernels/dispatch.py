@@ -84,8 +84,8 @@ def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, 
         kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common, masking))
     kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand, masking))
     plan = LaunchPlan(runtime.share.load(kernel_specs), runtime.comm_grid(num_sms),
-                        specs.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk),
-                        arrival_block(num_max_tokens_per_rank))  # fmt: skip
+                      specs.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk),
+                      arrival_block(num_max_tokens_per_rank))  # fmt: skip
     runtime.plans[key] = plan
     return plan
 
