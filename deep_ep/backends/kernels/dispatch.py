@@ -179,18 +179,21 @@ def run_dispatch(
         outputs = _dispatch_outputs(runtime, state.num_out_rows, x, x_scales, num_topk, topk_weights is not None,
                                     do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
 
+    counts_sequence = runtime.next_counts_sequence() if state is None else 0  # CPU sync: counts to the host
     dispatch_args = specs.DispatchArgs(
         window_base=runtime.windows.ptr, x=data_ptr(x), x_scales=data_ptr(x_scales), topk_idx=data_ptr(topk_idx),
         topk_weights=data_ptr(topk_weights), slot_idx=data_ptr(slot_idx), dst_slot_idx=data_ptr(dst_slot_idx),
         layout_scratch=data_ptr(runtime.dispatch_scratch), num_tokens_per_rank=data_ptr(num_tokens_per_rank),
         num_recv_tokens_per_expert=data_ptr(num_recv_per_expert),
-        counts_out=data_ptr(runtime.device_counts) if (fresh and do_cpu_sync) else 0,
+        counts_out=data_ptr(runtime.host_counts) if counts_sequence else 0,
         cumulative_stats=data_ptr(cumulative_stats) if fresh else 0, num_masked_lanes=data_ptr(num_masked_lanes),
         num_tokens=num_tokens,
         num_max_tokens_per_rank=num_max_tokens_per_rank, rank=runtime.rank, num_experts_per_rank=num_local_experts,
         tokens_per_group=tokens_per_group(num_tokens, runtime.num_ranks),
         tokens_per_task=rows_per_task(num_tokens, num_sms, 4), arrival_block=arrival_slots, op_hash=op_hash,
-        error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
+        error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns,
+        counts_ready=data_ptr(runtime.counts_ready) if counts_sequence else 0,
+        counts_sequence=counts_sequence)  # fmt: skip
     # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
     # makes the driver guarantee it (or refuse), whatever else holds SMs
     dispatch_kernel.launch(grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
@@ -208,8 +211,7 @@ def run_dispatch(
                       U64(data_ptr(runtime.error_block)), U64(runtime.timeout_ns)))  # fmt: skip
         if state is None:
             num_words = runtime.num_ranks + num_local_experts + 1
-            runtime.host_counts[:num_words].copy_(runtime.device_counts[:num_words], non_blocking=True)
-            runtime.wait(stream, "dispatch counts")
+            runtime.wait_counts(stream, counts_sequence)
             counts = runtime.host_counts[:num_words].tolist()
             if counts[-1]:
                 # Our routing was rejected on the device (nothing sent), but peers sent us theirs
@@ -229,9 +231,9 @@ def run_dispatch(
                 outputs = _dispatch_outputs(runtime, num_out_rows, x, x_scales, num_topk, topk_weights is not None,
                                             do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
         if not rejected:
-            # The epilogue runs next to the dispatch kernel unless a host wait (CPU sync) came
-            # between; in an exclusive share its SMs count as busy anyway (it may still be sending)
-            num_busy_sms = 0 if (fresh and do_cpu_sync and not runtime.share.exclusive) else num_sms
+            # The epilogue runs next to the dispatch kernel, also after a CPU sync (the host waited
+            # for the counts only, which come before the kernel's sends)
+            num_busy_sms = num_sms
             if before_epilogue is not None:
                 before_epilogue()
             _launch_dispatch_epilogue(runtime, epilogue_kernel, stream, x, x_scales, state, outputs,

@@ -17,6 +17,7 @@ letting a retry run at the same epoch.
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -168,12 +169,15 @@ class NvlinkRuntime:
         # The same words read in place: every call reads two of them, and indexing the tensor costs
         # microseconds (the block is pinned, so the device's writes land there)
         self._error_words = (ctypes.c_int64 * len(ERROR_WORDS)).from_address(self.error_block.data_ptr())
-        # Received counts per source rank, then per local expert, then the invalid-input flag: the
-        # dispatch kernel fills the device copy, a D2H copy brings them to pinned memory (device reads
-        # of host memory are slow)
+        # Received counts per source rank, then per local expert, then the invalid-input flag: a
+        # CPU-sync dispatch kernel writes them into pinned (mapped) host memory as soon as it has them,
+        # then sets the ready word to that dispatch's sequence number, which the host polls
+        # (`wait_counts`) while the kernel goes on sending; the kernel only writes host memory
         num_count_words = MAX_RANKS + MAX_LOCAL_EXPERTS + 1
-        self.device_counts = torch.zeros(num_count_words, dtype=torch.int32, device="cuda")
         self.host_counts = torch.zeros(num_count_words, dtype=torch.int32, pin_memory=True)
+        self.counts_ready = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._counts_ready_word = ctypes.c_uint64.from_address(self.counts_ready.data_ptr())
+        self._counts_sequence = 0
         self.dispatch_scratch = torch.zeros(DISPATCH_SCRATCH_INTS, dtype=torch.int32, device="cuda")
         self._expand_scratch: torch.Tensor | None = None
         # What a failing rank posts to its peers, and the stream it posts on; made before the windows
@@ -299,6 +303,43 @@ class NvlinkRuntime:
             self._dead_error = EPTimeoutError
             raise EPTimeoutError(self.dead_reason)
         self.check_error()
+
+    def next_counts_sequence(self) -> int:
+        """The number a CPU-sync dispatch's kernel sets the ready word to (never 0, never repeated)."""
+        self._counts_sequence += 1
+        return self._counts_sequence
+
+    def wait_counts(self, stream: torch.cuda.Stream, sequence: int) -> None:
+        """Wait on the host, with the CPU deadline, until the dispatch kernel numbered `sequence` has
+        written its counts (`host_counts`), without waiting for the rest of the kernel.
+
+        Polls the ready word (a read of host memory, no CUDA call), busy for `_SPIN_S`, then in short
+        sleeps; every poll yields the interpreter (virtual ranks launch from other threads). A kernel
+        that stopped before its counts (a device fault) leaves the word unset: then the stream is
+        drained and the fault raised (`wait`).
+        """
+        ready = self._counts_ready_word
+        if ready.value == sequence:
+            return
+        launched = torch.cuda.Event()
+        launched.record(stream)
+        started = time.monotonic()
+        num_polls = 0
+        while ready.value != sequence:
+            num_polls += 1
+            if self._error_words[0] != 0 or (num_polls % 64 == 0 and launched.query() and ready.value != sequence):
+                break  # a fault, or the kernel is done without its counts
+            elapsed = time.monotonic() - started
+            if elapsed > self.cpu_timeout_s:
+                self.dead_reason = f"host wait for dispatch counts on rank {self.rank} passed {self.cpu_timeout_s:g} s"
+                self._dead_error = EPTimeoutError
+                raise EPTimeoutError(self.dead_reason)
+            time.sleep(0 if elapsed < _SPIN_S else 1e-4)
+        if ready.value == sequence:
+            return
+        self.wait(stream, "dispatch counts")  # raises the device's fault
+        if ready.value != sequence:
+            raise EPError(f"dispatch counts: the dispatch kernel of rank {self.rank} ended without its counts")
 
     # ---------------------------------------------------------------- grids
 

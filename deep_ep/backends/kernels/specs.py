@@ -49,6 +49,8 @@ class DispatchArgs(ctypes.Structure):
         ("op_hash", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
+        ("counts_ready", ctypes.c_uint64),
+        ("counts_sequence", ctypes.c_uint64),
     ]
 
 

@@ -50,8 +50,8 @@ struct DispatchArgs {
     int* layout_scratch;              // [kDispatchScratchInts] (layout.cuh)
     int* num_tokens_per_rank;         // [num_ranks]: written (fresh) or read (cached)
     int* num_recv_tokens_per_expert;  // [num_experts_per_rank], written by a fresh dispatch
-    int* counts_out;                  // [num_ranks + num_experts_per_rank + 1] for the host (recv per source,
-                                      // recv per local expert, invalid-input flag), or null
+    int* counts_out;                  // [num_ranks + num_experts_per_rank + 1] in mapped host memory (recv per
+                                      // source, recv per local expert, invalid-input flag), or null
     int* cumulative_stats;            // [num_experts_per_rank] incremented in place, or null
     int* num_masked_lanes;            // [1]: the valid lanes rank masking dropped (fresh), or null
     int num_tokens;
@@ -64,6 +64,8 @@ struct DispatchArgs {
     int op_hash;           // what this operation is (arrivals.cuh: op_signature)
     int64_t* error_block;
     uint64_t timeout_ns;
+    uint64_t* counts_ready;    // with `counts_out`: set to `counts_sequence` (mapped host memory) once they are there
+    uint64_t counts_sequence;  // this CPU-sync dispatch's number on the rank, never 0
 };
 
 // The destination ranks of token t (bit d: one of its experts lives on d, and d is not among
@@ -152,6 +154,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     // expert
     __shared__ int group_base[kCached ? 1 : kMaxGroupInts];
     __shared__ int cta_expert_counts[kCached ? 1 : kMaxSharedExpertCounts];
+    __shared__ int num_recv[kNumRanks];
     char* own_window = args.window_base;
     const FaultSink fault = make_fault_sink(own_window, args.error_block);
     const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(own_window, args.rank);
@@ -363,6 +366,41 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
         return make_int4(words[0], words[1], words[2], words[3]);
     };
 
+    // One CTA waits for every source's count and sums the per-expert counts they sent. With CPU sync
+    // (`counts_ready`) it does so before its sends and tells the host at once, which then allocates
+    // the outputs and launches the epilogue while the records are still on the wire (other CTAs
+    // take its tasks meanwhile); without, after them
+    const bool is_count_cta = not kCached and channel == args.rank % num_channels;
+    auto receive_counts = [&]() -> bool {
+        if (!wait_recv_counts<kNumRanks>(own_window, signature, args.num_max_tokens_per_rank, num_recv, fault,
+                                         args.rank, args.timeout_ns, mask))
+            return false;
+        const int* recv_expert_counts = reinterpret_cast<const int*>(own_window + kRecvExpertCountOffset);
+        for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
+            int sum = 0;
+            // A masked source's words are stale (also one masked by a wait of this dispatch): it sent none
+            for (int s = 0; s < kNumRanks; ++s)
+                if (not kRankMasking or num_recv[s] != 0)
+                    sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
+            args.num_recv_tokens_per_expert[e] = sum;
+            if (args.counts_out != nullptr) args.counts_out[kNumRanks + e] = sum;
+            if (args.cumulative_stats != nullptr and not is_bad) args.cumulative_stats[e] += sum;
+        }
+        if (args.counts_out != nullptr) {
+            if (threadIdx.x < kNumRanks) args.counts_out[threadIdx.x] = num_recv[threadIdx.x];
+            if (threadIdx.x == 0) args.counts_out[kNumRanks + num_local_experts] = is_bad;
+            // Every thread's counts, then the word the host polls (released to the system)
+            __syncthreads();
+            if (threadIdx.x == 0 and args.counts_ready != nullptr) {
+                fence_acq_rel_sys();
+                st_relaxed_sys_u64(args.counts_ready, args.counts_sequence);
+            }
+        }
+        return true;
+    };
+    if constexpr (not kCached)
+        if (is_count_cta and args.counts_ready != nullptr and not receive_counts()) return;
+
     // Tasks of `tokens_per_task` consecutive tokens (inside one group), one warp each, in order.
     // The last round (one task per warp) takes single tokens: a warp sends at a fraction of the link,
     // and whole tasks left a few warps sending alone at the end (bench/NOTES.md).
@@ -471,30 +509,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     }
 
     tasks.finish();
-    // One CTA waits for every source's count and sums the per-expert counts they sent
-    if constexpr (not kCached) {
-        if (channel == args.rank % num_channels) {
-            __shared__ int num_recv[kNumRanks];
-            if (!wait_recv_counts<kNumRanks>(own_window, signature, args.num_max_tokens_per_rank, num_recv, fault,
-                                             args.rank, args.timeout_ns, mask))
-                return;
-            const int* recv_expert_counts = reinterpret_cast<const int*>(own_window + kRecvExpertCountOffset);
-            for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
-                int sum = 0;
-                // A masked source's words are stale (also one masked by a wait of this dispatch): it sent none
-                for (int s = 0; s < kNumRanks; ++s)
-                    if (not kRankMasking or num_recv[s] != 0)
-                        sum += ld_relaxed_sys(recv_expert_counts + s * kMaxLocalExperts + e);
-                args.num_recv_tokens_per_expert[e] = sum;
-                if (args.counts_out != nullptr) args.counts_out[kNumRanks + e] = sum;
-                if (args.cumulative_stats != nullptr and not is_bad) args.cumulative_stats[e] += sum;
-            }
-            if (args.counts_out != nullptr) {
-                if (threadIdx.x < kNumRanks) args.counts_out[threadIdx.x] = num_recv[threadIdx.x];
-                if (threadIdx.x == 0) args.counts_out[kNumRanks + num_local_experts] = is_bad;
-            }
-        }
-    }
+    if constexpr (not kCached)
+        if (is_count_cta and args.counts_ready == nullptr) receive_counts();
 }
 
 }  // namespace deep_ep
