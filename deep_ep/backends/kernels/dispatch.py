@@ -193,7 +193,7 @@ def run_dispatch(
         tokens_per_task=rows_per_task(num_tokens, num_sms, 4), arrival_block=arrival_slots, op_hash=op_hash,
         error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns,
         counts_ready=data_ptr(runtime.counts_ready) if counts_sequence else 0,
-        counts_sequence=counts_sequence)  # fmt: skip
+        counts_sequence=counts_sequence, counts_before_sends=int(not runtime.mask_on_timeout))  # fmt: skip
     # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
     # makes the driver guarantee it (or refuse), whatever else holds SMs
     dispatch_kernel.launch(grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
@@ -232,7 +232,8 @@ def run_dispatch(
                                             do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
         if not rejected:
             # The epilogue runs next to the dispatch kernel, also after a CPU sync (the host waited
-            # for the counts only, which come before the kernel's sends)
+            # for the counts only, which come before the kernel's sends, or with rank masking on
+            # timeout right after its own)
             num_busy_sms = num_sms
             if before_epilogue is not None:
                 before_epilogue()

@@ -51,6 +51,7 @@ class DispatchArgs(ctypes.Structure):
         ("timeout_ns", ctypes.c_uint64),
         ("counts_ready", ctypes.c_uint64),
         ("counts_sequence", ctypes.c_uint64),
+        ("counts_before_sends", ctypes.c_int),
     ]
 
 

@@ -66,6 +66,7 @@ struct DispatchArgs {
     uint64_t timeout_ns;
     uint64_t* counts_ready;    // with `counts_out`: set to `counts_sequence` (mapped host memory) once they are there
     uint64_t counts_sequence;  // this CPU-sync dispatch's number on the rank, never 0
+    int counts_before_sends;   // with `counts_ready`: the count CTA waits for the counts before its sends
 };
 
 // The destination ranks of token t (bit d: one of its experts lives on d, and d is not among
@@ -367,10 +368,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     };
 
     // One CTA waits for every source's count and sums the per-expert counts they sent. With CPU sync
-    // (`counts_ready`) it does so before its sends and tells the host at once, which then allocates
-    // the outputs and launches the epilogue while the records are still on the wire (other CTAs
-    // take its tasks meanwhile); without, after them
+    // (`counts_before_sends`) it does so before its sends and tells the host at once, which then
+    // allocates the outputs and launches the epilogue while the records are still on the wire (other
+    // CTAs take its tasks meanwhile); without, after them. Not where a peer's expired wait masks it
+    // (rank masking on timeout): a dead peer would hold our sends back for a whole deadline, long
+    // enough for the live peers to mask us
     const bool is_count_cta = not kCached and channel == args.rank % num_channels;
+    const bool counts_first = args.counts_ready != nullptr and args.counts_before_sends != 0;
     auto receive_counts = [&]() -> bool {
         if (!wait_recv_counts<kNumRanks>(own_window, signature, args.num_max_tokens_per_rank, num_recv, fault,
                                          args.rank, args.timeout_ns, mask))
@@ -399,7 +403,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
         return true;
     };
     if constexpr (not kCached)
-        if (is_count_cta and args.counts_ready != nullptr and not receive_counts()) return;
+        if (is_count_cta and counts_first and not receive_counts()) return;
 
     // Tasks of `tokens_per_task` consecutive tokens (inside one group), one warp each, in order.
     // The last round (one task per warp) takes single tokens: a warp sends at a fraction of the link,
@@ -510,7 +514,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
 
     tasks.finish();
     if constexpr (not kCached)
-        if (is_count_cta and args.counts_ready == nullptr) receive_counts();
+        if (is_count_cta and not counts_first) receive_counts();
 }
 
 }  // namespace deep_ep
