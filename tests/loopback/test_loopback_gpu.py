@@ -414,18 +414,28 @@ def _between_launches_rank(rank: int, group: dist.ProcessGroup) -> dict:
     buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)  # kernels loaded
     outcome: dict = {}
     if rank == 0:
-        # The exact outputs of a CPU-sync dispatch are allocated after its first launch: fail there
+        # The exact outputs of a CPU-sync dispatch are allocated after its first launch, once the
+        # host has the counts: the first allocation after that wait fails
         runtime = buf.backend.runtime
-        calls = {"n": 0}
-        real_empty = runtime.share.empty
+        launched = {"counts_waited": False}
+        real_empty, real_empty_int32, real_wait = runtime.share.empty, runtime.share.empty_int32, runtime.wait_counts
 
-        def failing_empty(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 5:
-                raise torch.cuda.OutOfMemoryError("injected after the first launch")
-            return real_empty(*args, **kwargs)
+        def wait_counts(*args, **kwargs):
+            result = real_wait(*args, **kwargs)
+            launched["counts_waited"] = True
+            return result
 
-        runtime.share = dataclasses.replace(runtime.share, empty=failing_empty)
+        def failing(allocate):
+            def allocate_or_fail(*args, **kwargs):
+                if launched["counts_waited"]:
+                    raise torch.cuda.OutOfMemoryError("injected after the first launch")
+                return allocate(*args, **kwargs)
+
+            return allocate_or_fail
+
+        runtime.wait_counts = wait_counts
+        runtime.share = dataclasses.replace(runtime.share, empty=failing(real_empty),
+                                            empty_int32=failing(real_empty_int32))  # fmt: skip
         try:
             buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
         except torch.cuda.OutOfMemoryError:
