@@ -1,12 +1,11 @@
 """Load a cached cubin onto a device and launch its kernel.
 
 Loading goes through `cuda.core` (`ObjectCode.from_cubin` + `get_kernel`, context-independent
-library loading, and the driver's parameter layout via `Kernel.arguments_info`). Launching calls
-the driver's `cuLaunchKernelEx` through ctypes (`launch_abi`), because `cuda.core.launch` (up to
-1.2) cannot pass a struct by value (its argument marshalling rejects ctypes structs and bytes, and
-the NCCL device communicator travels that way) and it, like `cuda.bindings`' wrapper, converts its
-arguments on every call, whereas we reuse a prebuilt launch config and a prebuilt argument buffer
-to keep host overhead low.
+library loading, and the driver's parameter layout via `Kernel.arguments_info`). Launching goes
+through `cuda.bindings.driver.cuLaunchKernelEx` directly, because `cuda.core.launch` (up to 1.2)
+cannot pass a struct by value (its argument marshalling rejects ctypes structs and bytes, and
+the NCCL device communicator travels that way) and it re-marshals every argument on every call,
+whereas we reuse a prebuilt launch config and a prebuilt argument buffer to keep host overhead low.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 
 from cuda.bindings import driver as cuda
 
-from . import driver, launch_abi
+from . import driver
 from .args import ArgumentPlan
 from .build import compile_spec
 from .cache import CacheEntry
@@ -82,8 +81,6 @@ class Kernel:
                 cuda.cuKernelGetFunction(cuda.CUkernel(int(self._core_kernel.handle))), "cuKernelGetFunction", self.name
             )
             self.param_sizes: list[int] | None = self._read_param_sizes()
-        self._function_handle = int(self._function)
-        self._launch_ex = launch_abi.entry_point()
         self._dynamic_smem_limit = _DEFAULT_DYNAMIC_SMEM
         self._configs: dict[tuple[Any, ...], Any] = {}
         self._plans: dict[tuple[type, ...], ArgumentPlan] = {}
@@ -140,17 +137,33 @@ class Kernel:
         grid_dims, block_dims = _dims(grid, "grid"), _dims(block, "block")
         if not isinstance(shared_mem, int) or shared_mem < 0:
             raise ValueError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
-        attributes: list[tuple[int, tuple[int, ...]]] = []
+        config = cuda.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid_dims
+        config.blockDimX, config.blockDimY, config.blockDimZ = block_dims
+        config.sharedMemBytes = shared_mem
+        config.hStream = cuda.CUstream(stream)
+        attributes = []
         if cooperative:
-            attributes.append((int(_ATTR.CU_LAUNCH_ATTRIBUTE_COOPERATIVE), (1,)))
+            attribute = cuda.CUlaunchAttribute()
+            attribute.id = _ATTR.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            attribute.value.cooperative = 1
+            attributes.append(attribute)
         if cluster is not None:
             cluster_dims = _dims(cluster, "cluster")
             if any(g % c for g, c in zip(grid_dims, cluster_dims, strict=True)):
                 raise ValueError(f"grid {grid_dims} is not a multiple of cluster {cluster_dims} in every dimension")
-            attributes.append((int(_ATTR.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION), cluster_dims))
+            attribute = cuda.CUlaunchAttribute()
+            attribute.id = _ATTR.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster_dims
+            attributes.append(attribute)
         if pdl:
-            attributes.append((int(_ATTR.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION), (1,)))
-        config = launch_abi.PreparedConfig(grid_dims, block_dims, shared_mem, stream, attributes)
+            attribute = cuda.CUlaunchAttribute()
+            attribute.id = _ATTR.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            attributes.append(attribute)
+        if attributes:
+            config.attrs = attributes
+            config.numAttrs = len(attributes)
         if shared_mem > self._dynamic_smem_limit:
             # Opt in to more than 48 KiB of dynamic shared memory (once per size increase).
             driver.check(
@@ -210,11 +223,9 @@ class Kernel:
         if plan is None:
             plan = self._plans.setdefault(signature, ArgumentPlan(args, self.param_sizes, self.name))
         with plan.lock:
-            result = self._launch_ex(config.address, self._function_handle, plan.pack(args) or None, None)
-        if result:
-            raise driver.error_from(
-                cuda.CUresult(result), "cuLaunchKernelEx", f"{self.name}, grid {grid}, block {block}"
-            )
+            result = cuda.cuLaunchKernelEx(config, self._function, plan.pack(args), 0)
+        if result[0]:
+            raise driver.error_from(result[0], "cuLaunchKernelEx", f"{self.name}, grid {grid}, block {block}")
 
 
 def load_kernel(entry: CacheEntry, device: int = 0) -> Kernel:
