@@ -414,28 +414,18 @@ def _between_launches_rank(rank: int, group: dist.ProcessGroup) -> dict:
     buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)  # kernels loaded
     outcome: dict = {}
     if rank == 0:
-        # The exact outputs of a CPU-sync dispatch are allocated after its first launch, once the
-        # host has the counts: the first allocation after that wait fails
+        # The exact outputs of a CPU-sync dispatch are allocated after its first launch: fail there
         runtime = buf.backend.runtime
-        launched = {"counts_waited": False}
-        real_empty, real_empty_int32, real_wait = runtime.share.empty, runtime.share.empty_int32, runtime.wait_counts
+        calls = {"n": 0}
+        real_empty = runtime.share.empty
 
-        def wait_counts(*args, **kwargs):
-            result = real_wait(*args, **kwargs)
-            launched["counts_waited"] = True
-            return result
+        def failing_empty(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise torch.cuda.OutOfMemoryError("injected after the first launch")
+            return real_empty(*args, **kwargs)
 
-        def failing(allocate):
-            def allocate_or_fail(*args, **kwargs):
-                if launched["counts_waited"]:
-                    raise torch.cuda.OutOfMemoryError("injected after the first launch")
-                return allocate(*args, **kwargs)
-
-            return allocate_or_fail
-
-        runtime.wait_counts = wait_counts
-        runtime.share = dataclasses.replace(runtime.share, empty=failing(real_empty),
-                                            empty_int32=failing(real_empty_int32))  # fmt: skip
+        runtime.share = dataclasses.replace(runtime.share, empty=failing_empty)
         try:
             buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
         except torch.cuda.OutOfMemoryError:
