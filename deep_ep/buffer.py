@@ -327,14 +327,12 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         self._theoretical_num_sms: dict[tuple[int, int], int] = {}
         self.backend: EPBackend | None = backend_class(group, config)
         self._comm_stream = None
-        self._entry_event: torch.cuda.Event | None = None  # the comm stream's wait on the compute stream
         world = loopback_world_of(group)
         if self.device.type == "cuda":
             # Virtual ranks must never share a stream (torch's pool hands out 32 per priority, round robin)
             self._comm_stream = (
                 world.comm_stream(self.rank_idx) if world is not None else shared_comm_stream(self.device)
             )
-            self._entry_event = torch.cuda.Event()
         # Handles share it: one that outlives this buffer can say why it works nowhere
         self._lifetime = BufferLifetime()
         self._origin = BufferOrigin(
@@ -437,7 +435,6 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             previous_event,
             as_bool(op, "async_with_compute_stream", async_with_compute_stream),
             as_bool(op, "allocate_on_comm_stream", allocate_on_comm_stream),
-            self._entry_event,
         )
         try:
             value, inputs, outputs = self._run(op, run)

@@ -159,10 +159,7 @@ class CommStreamScope:
     comm stream's pool). Without CUDA every step is a no-op.
 
     The comm stream is on the current device (the facade checked it), so making it current is
-    `set_stream`, not `torch.cuda.stream`'s context, which looks the devices up again. The wait on
-    the compute stream goes through `entry_event`, the caller's own event recorded again on every
-    call (a wait takes the event as it is when it is queued), instead of a new event per call as
-    `wait_stream` makes.
+    `set_stream`, not `torch.cuda.stream`'s context, which looks the devices up again.
     """
 
     def __init__(
@@ -171,7 +168,6 @@ class CommStreamScope:
         previous_event: EventHandle | None,
         async_with_compute_stream: bool,
         allocate_on_comm_stream: bool,
-        entry_event: torch.cuda.Event | None = None,
     ) -> None:
         self.comm_stream = comm_stream
         self.async_with_compute_stream = async_with_compute_stream
@@ -181,9 +177,6 @@ class CommStreamScope:
         if comm_stream is not None:
             if previous_event is not None:
                 previous_event.stream_wait(comm_stream)
-            elif entry_event is not None:
-                entry_event.record(self.compute_stream)
-                comm_stream.wait_event(entry_event)
             else:
                 comm_stream.wait_stream(self.compute_stream)
             torch.cuda.set_stream(comm_stream)
