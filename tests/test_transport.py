@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +10,7 @@ import torch.distributed as dist
 
 from deep_ep.backends.kernels.backend import NvlinkBackend
 from deep_ep.backends.kernels.layout import MAX_RANKS
-from deep_ep.backends.kernels.transport import TransportChoice, carve_int32, choose_transport
+from deep_ep.backends.kernels.transport import TransportChoice, choose_transport
 
 
 class _VirtualGroup:
@@ -92,29 +91,3 @@ def test_info_says_which_transport_this_host_would_use(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer_access)
     line = _transport_line()
     assert line.startswith(expected + "; virtual ranks on one GPU (deep_ep.loopback): loopback"), line
-
-
-def test_carved_int32_tensors_are_disjoint_aligned_contiguous_views_of_one_block() -> None:
-    shapes = [(5, 3), (0, 8), (7,), (1,), (2, 2, 9), (0,)]
-    allocations = []
-
-    def counting_empty(shape, *, dtype, device):
-        allocations.append((shape, dtype))
-        return torch.full(shape, -7, dtype=dtype, device=device)
-
-    views = carve_int32(shapes, "cpu", counting_empty)
-    assert len(allocations) == 1 and allocations[0][1] == torch.int32
-    base = views[0].data_ptr()
-    spans = []
-    for shape, view in zip(shapes, views, strict=True):
-        assert tuple(view.shape) == shape and view.dtype == torch.int32 and view.is_contiguous()
-        if view.numel():  # torch may report address 0 for an empty view
-            assert (view.data_ptr() - base) % 128 == 0
-        spans.append((view.data_ptr(), view.data_ptr() + view.numel() * 4))
-    nonempty = sorted(s for s in spans if s[1] > s[0])
-    assert all(a[1] <= b[0] for a, b in itertools.pairwise(nonempty))  # no two views overlap
-    for i, view in enumerate(views):  # every element of every view is its own
-        view.fill_(i)
-    for i, view in enumerate(views):
-        assert bool((view == i).all())
-    assert carve_int32([], "cpu") == []

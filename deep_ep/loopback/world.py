@@ -231,7 +231,7 @@ class LoopbackWorld:
         """The `deep_ep.backends.kernels.transport.DeviceShare` of `rank`'s kernels."""
         from ..backends.kernels.transport import DeviceShare
 
-        return DeviceShare(self.num_sms_per_rank, exclusive=True, empty=self.empty, empty_int32=self.empty_int32,
+        return DeviceShare(self.num_sms_per_rank, exclusive=True, empty=self.empty,
                            load=lambda specs: self.load_kernels(rank, specs))  # fmt: skip
 
     def _exchange(self, rank: int, value: Any, what: str) -> list[Any]:
@@ -271,15 +271,6 @@ class LoopbackWorld:
         with self._lock:
             self._guarded.append((storage, body, f"output {list(shape)} {dtype}"))
         return storage[self.guard_bytes : self.guard_bytes + num_bytes].view(dtype).view(shape)
-
-    def empty_int32(self, shapes: Sequence[tuple[int, ...]], device: Any = None) -> list[torch.Tensor]:
-        """`torch.int32` tensors of `shapes` on the world's device: views of one block
-        (`transport.carve_int32`), or with guards each between guard bytes of its own."""
-        if self.guard_bytes != 0:
-            return [self.empty(shape, dtype=torch.int32) for shape in shapes]
-        from ..backends.kernels.transport import carve_int32
-
-        return carve_int32(shapes, self.device)
 
     def check_guards(self) -> list[str]:
         """What wrote outside a guarded window or output: one line per damaged guard (empty when

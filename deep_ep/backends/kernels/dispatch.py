@@ -40,10 +40,9 @@ class NvlinkDispatchState:
 
 def _dispatch_outputs(
     runtime: NvlinkRuntime, num_out_rows: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_topk: int,
-    has_weights: bool, do_expand: bool, col_major_scales: bool,
+    has_weights: bool, do_expand: bool, col_major_scales: bool, num_local_experts: int,
 ) -> dict:  # fmt: skip
-    """The row outputs of one dispatch with `num_out_rows` rows (exact or worst case): one allocation
-    each, since the caller may keep any of them alone."""
+    """The output tensors of one dispatch with `num_out_rows` rows (exact or worst case)."""
     empty, device = runtime.share.empty, x.device
     out: dict[str, Any] = {"recv_x": empty((num_out_rows, x.shape[1]), dtype=x.dtype, device=device)}
     out["recv_scales"], out["scale_col_stride"] = None, 0
@@ -60,6 +59,8 @@ def _dispatch_outputs(
     if has_weights:
         shape = (num_out_rows,) if do_expand else (num_out_rows, num_topk)
         out["recv_topk_weights"] = empty(shape, dtype=torch.float32, device=device)
+    out["psum_num_recv_tokens_per_rank"] = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
+    out["psum_num_recv_tokens_per_expert"] = empty((num_local_experts,), dtype=torch.int32, device=device)
     return out
 
 
@@ -144,28 +145,16 @@ def run_dispatch(
     loaded, num_sms, op_hash, arrival_slots = plan.kernels, plan.num_sms, plan.op_hash, plan.arrival_slots
     dispatch_kernel, epilogue_kernel = loaded[0], loaded[-1]
     max_recv = runtime.num_ranks * num_max_tokens_per_rank
+    empty = runtime.share.empty
 
     counts_list, expand_scratch, dst_slot_idx, num_masked_lanes = None, None, None, None
-    num_ranks = runtime.num_ranks
-
-    # The handle's int32 tensors come in blocks (`DeviceShare.empty_int32`): what the kernels fill,
-    # then the receive metadata and prefix sums, whose size a CPU sync learns only from the counts
-    def receive_shapes(num_rows: int) -> list[tuple[int, ...]]:
-        return [(num_rows, 2 + num_topk), (num_ranks,), (num_local_experts,)]
-
-    state = outputs = recv_src_metadata = psum_per_rank = psum_per_expert = None
+    if fresh and masking:
+        num_masked_lanes = empty((1,), dtype=torch.int32, device=device)  # written by the dispatch kernel
     if fresh:
-        shapes = [(num_tokens, num_ranks), (num_tokens, num_topk), (num_ranks,), (num_local_experts,)]
-        if masking:
-            shapes.append((1,))  # the lanes dropped, written by the dispatch kernel
-        if not do_cpu_sync:
-            shapes += receive_shapes(max_recv)
-        blocks = runtime.share.empty_int32(shapes, device)
-        slot_idx, dst_slot_idx, num_tokens_per_rank, num_recv_per_expert = blocks[:4]
-        if masking:
-            num_masked_lanes = blocks[4]
-        if not do_cpu_sync:
-            recv_src_metadata, psum_per_rank, psum_per_expert = blocks[-3:]
+        slot_idx = empty((num_tokens, runtime.num_ranks), dtype=torch.int32, device=device)
+        dst_slot_idx = empty((num_tokens, num_topk), dtype=torch.int32, device=device)
+        num_tokens_per_rank = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
+        num_recv_per_expert = empty((num_local_experts,), dtype=torch.int32, device=device)
         if expand_ranks:
             expand_scratch = runtime.expand_rank_scratch(max_recv * num_topk)
         runtime.num_experts_checked = num_experts
@@ -174,21 +163,21 @@ def run_dispatch(
         num_recv_per_expert = cached_num_recv_tokens_per_expert
         if cumulative_stats is not None:
             cumulative_stats.add_(num_recv_per_expert)
-        psum_per_rank, psum_per_expert = runtime.share.empty_int32(receive_shapes(0)[1:], device)
 
     # Without a host wait every shape is known now: allocate before the first launch
+    state = outputs = recv_src_metadata = None
     if not fresh:
         state, recv_src_metadata = cached, cached_recv_src_metadata
     elif not do_cpu_sync:
         num_expanded_rows = worst_case_num_expanded_tokens(
-            num_ranks, num_max_tokens_per_rank, num_topk, num_local_experts, expert_alignment
+            runtime.num_ranks, num_max_tokens_per_rank, num_topk, num_local_experts, expert_alignment
         )
         num_out_rows = num_expanded_rows if do_expand else max_recv
         state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, max_recv, num_expanded_rows)
+        recv_src_metadata = empty((max_recv, 2 + num_topk), dtype=torch.int32, device=device)
     if state is not None:
         outputs = _dispatch_outputs(runtime, state.num_out_rows, x, x_scales, num_topk, topk_weights is not None,
-                                    do_expand, use_tma_aligned_col_major_sf)  # fmt: skip
-        outputs.update(psum_num_recv_tokens_per_rank=psum_per_rank, psum_num_recv_tokens_per_expert=psum_per_expert)
+                                    do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
 
     counts_sequence = runtime.next_counts_sequence() if state is None else 0  # CPU sync: counts to the host
     dispatch_args = specs.DispatchArgs(
@@ -238,13 +227,9 @@ def run_dispatch(
                 num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
                 state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_recv_tokens,
                                             num_expanded_rows)  # fmt: skip
-                recv_src_metadata, psum_per_rank, psum_per_expert = runtime.share.empty_int32(
-                    receive_shapes(num_recv_tokens), device
-                )
+                recv_src_metadata = empty((num_recv_tokens, 2 + num_topk), dtype=torch.int32, device=device)
                 outputs = _dispatch_outputs(runtime, num_out_rows, x, x_scales, num_topk, topk_weights is not None,
-                                            do_expand, use_tma_aligned_col_major_sf)  # fmt: skip
-                outputs.update(psum_num_recv_tokens_per_rank=psum_per_rank,
-                               psum_num_recv_tokens_per_expert=psum_per_expert)  # fmt: skip
+                                            do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
         if not rejected:
             # The epilogue runs next to the dispatch kernel, also after a CPU sync (the host waited
             # for the counts only, which come before the kernel's sends, or with rank masking on

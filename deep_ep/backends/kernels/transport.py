@@ -56,42 +56,6 @@ def _load_each(kernel_specs: Sequence[Any]) -> list[Any]:
     return [specs.load(spec) for spec in kernel_specs]
 
 
-# Where each tensor of `carve_int32` starts in its block: a multiple of 128 bytes (one L2 line)
-_CARVE_ALIGN_INTS = 32
-
-
-def carve_int32(shapes: Sequence[tuple[int, ...]], device: Any, empty: Callable[..., torch.Tensor] = torch.empty
-                ) -> list[torch.Tensor]:  # fmt: skip
-    """Contiguous `torch.int32` tensors of `shapes` carved out of one allocation: a view costs the host a
-    fraction of an allocation (the caching allocator and the device guard run once), and the small
-    tensors of one dispatch live and die together (its handle's). Each starts on a 128-byte boundary.
-
-    Arguments:
-        shapes: the shape of each tensor (any rank, sizes >= 0).
-        device: where to allocate.
-        empty: the allocator (`torch.empty`'s signature).
-
-    Returns:
-        One `[*shape]` `torch.int32` tensor per shape, disjoint views of one block.
-    """
-    offsets, end = [], 0
-    for shape in shapes:
-        offsets.append(end)
-        numel = 1
-        for size in shape:
-            numel *= size
-        end += -(-numel // _CARVE_ALIGN_INTS) * _CARVE_ALIGN_INTS
-    block = empty((max(end, 1),), dtype=torch.int32, device=device)
-    views = []
-    for shape, offset in zip(shapes, offsets, strict=True):
-        strides, step = [], 1
-        for size in reversed(shape):
-            strides.append(step)
-            step *= size
-        views.append(block.as_strided(shape, strides[::-1], offset))
-    return views
-
-
 @dataclass(frozen=True)
 class DeviceShare:
     """The part of the GPU one rank's kernels may use, and where they get kernels and memory.
@@ -102,14 +66,12 @@ class DeviceShare:
             ranks share the GPU: a grid waiting for a peer on SMs that the peer's kernels need would
             starve it); otherwise an epilogue may queue behind a running communication kernel.
         empty: allocates a tensor (`torch.empty`'s `(shape, dtype=..., device=...)`).
-        empty_int32: allocates several `torch.int32` tensors at once (`carve_int32`'s `(shapes, device)`).
         load: loads the kernels of `specs` (one operation's, before its first launch).
     """
 
     num_sms: int
     exclusive: bool = False
     empty: Callable[..., torch.Tensor] = torch.empty
-    empty_int32: Callable[[Sequence[tuple[int, ...]], Any], list[torch.Tensor]] = carve_int32
     load: Callable[[Sequence[Any]], list[Any]] = _load_each
 
     @classmethod
