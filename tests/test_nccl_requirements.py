@@ -1,14 +1,16 @@
-"""The device-communicator requirements of a single-node buffer set no GIN field (CPU: the shim is
-built against the NCCL headers CI installs and only fills structs; no communicator is made)."""
+"""The device-communicator requirements: a single-node buffer's set no GIN field, a GIN buffer's set
+only its contexts and connection (CPU: the shim is built against the NCCL headers CI installs and
+only fills structs; no communicator is made)."""
 
 from __future__ import annotations
 
 import ctypes
+from types import SimpleNamespace
 
 import pytest
 from deep_ep.jit.nccl_headers import find_nccl
 
-from deep_ep.backends.kernels.nccl import device_comm
+from deep_ep.backends.kernels.nccl import device_comm, gin
 
 # Every test here compiles with nvcc (skipped with the reason where it is not found: tests/conftest.py)
 pytestmark = pytest.mark.nvcc
@@ -34,7 +36,8 @@ def test_lsa_requirements_set_lsa_barriers_and_no_gin_field(shim):
     assert int.from_bytes(requirements[offset : offset + 4], "little", signed=True) == 1
     assert device_comm.gin_fields_set(requirements) == []
     fields = _gin_offsets(shim)
-    assert len(fields) == (13 if find_nccl().header_version >= 23200 else 8)
+    version = find_nccl().header_version
+    assert len(fields) == (13 if version >= 23102 else 12 if version >= 23004 else 8)
 
 
 @pytest.mark.parametrize("name", ["ginForceEnable", "ginContextCount", "barrierCount", "resourceRequirementsList"])
@@ -44,3 +47,56 @@ def test_any_gin_field_that_differs_is_named(shim, name):
     requirements[begin] ^= 0x01  # a flag raised, a count or a pointer changed
     assert device_comm.gin_fields_set(bytes(requirements)) == [name]
     assert size >= 1
+
+
+def _int_at(requirements: bytes, field: tuple[int, int]) -> int:
+    begin, size = field
+    return int.from_bytes(requirements[begin : begin + size], "little", signed=True)
+
+
+needs_gin_headers = pytest.mark.skipif(
+    find_nccl().header_version < 23004, reason="the NCCL headers here are older than 2.30.4 (no GIN connection fields)"
+)
+
+
+@needs_gin_headers
+@pytest.mark.parametrize(("num_contexts", "mode"), [(17, "direct"), (129, "hybrid"), (65, "direct")])
+def test_gin_requirements_set_only_contexts_and_connection(shim, num_contexts, mode):
+    requirements = device_comm.gin_requirements(num_contexts, mode)
+    fields = _gin_offsets(shim)
+    assert device_comm.gin_fields_set(requirements) == ["ginContextCount", "ginConnectionType", "ginExclusiveContexts"]
+    assert _int_at(requirements, fields["ginContextCount"]) == num_contexts  # one context per QP
+    assert _int_at(requirements, fields["ginConnectionType"]) == device_comm.GIN_CONNECTIONS[mode]
+    assert _int_at(requirements, fields["ginExclusiveContexts"]) == 1
+    offset = shim.ep_dev_comm_lsa_barrier_count_offset()
+    assert int.from_bytes(requirements[offset : offset + 4], "little", signed=True) == 1
+    # VA signals only (no GIN signals or counters), no NCCL barriers, no forced GIN
+    baseline = device_comm.baseline_requirements()
+    for name in ("ginSignalCount", "ginCounterCount", "barrierCount", "railGinBarrierCount", "worldGinBarrierCount",
+                 "ginForceEnable", "ginQueueDepth", "resourceRequirementsList", "teamRequirementsList"):  # fmt: skip
+        assert _int_at(requirements, fields[name]) == _int_at(baseline, fields[name]), name
+
+
+@needs_gin_headers
+def test_gin_requirements_refuse_bad_arguments(shim):
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="`num_contexts` must be an int >= 1"):
+            device_comm.gin_requirements(bad)
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        device_comm.gin_requirements(17, "rail")
+
+
+def test_gin_contexts_are_refused_on_torchs_communicator_before_any_nccl_call():
+    borrowed = SimpleNamespace(is_own=False, handle=0x1234, lib=None)
+    with pytest.raises(ValueError, match="GIN contexts need a communicator of our own"):
+        device_comm.DeviceCommunicator(borrowed, gin_contexts=17)
+
+
+def test_gin_properties_say_which_backend_or_why_none():
+    proxy = gin.GinProperties.from_words((1, 2, 2, 0b001100))
+    assert proxy.usable and proxy.gin_type == "proxy" and proxy.supported == ("proxy", "gdaki")
+    assert proxy.reason() == "GIN over NCCL's proxy backend across 2 LSA teams (supported: proxy, gdaki)"
+    none = gin.GinProperties.from_words((1, 0, 1, -1))
+    assert not none.usable and none.supported is None and "no GIN backend here" in none.reason()
+    assert not gin.GinProperties.from_words((0, 3, 2, 8)).usable
+    assert "device API is not available" in gin.GinProperties.from_words((0, 3, 2, 8)).reason()
