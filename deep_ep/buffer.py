@@ -108,10 +108,8 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
                 f"import: {error}"
             ) from error
         if not backend_class.is_supported(group):
-            raise ValueError(
-                f"ElasticBuffer: `backend`={backend!r} does not support this group "
-                f"({backend_class.__name__}.is_supported is False)"
-            )
+            why = backend_class.unsupported_reason(group) or f"{backend_class.__name__}.is_supported is False"
+            raise ValueError(f"ElasticBuffer: `backend`={backend!r} does not support this group ({why})")
         return backend_class
     device = group_device(group)
     votes = [int(registry.supports(name, group, device.type)) for name in registry.names()]

@@ -194,9 +194,24 @@ def _transport_line() -> str:
     group = f"an NCCL group of {gpus}: " + (
         f"{choice.name} ({choice.reason})" if choice.supported else f"the reference backend ({choice.reason})"
     )
+    return f"{group}; virtual ranks on one GPU (deep_ep.loopback): loopback; groups across hosts: see scale-out"
+
+
+def _scale_out_line() -> str:
+    """What a group across hosts would get here: the loaded NCCL against GIN's floor (no GPU needed)."""
+    from deep_ep.backends.kernels.nccl.gin import scale_out_version_error
+    from deep_ep.backends.kernels.transport import loaded_nccl_version
+    from deep_ep.jit.nccl_headers import version_string
+
+    version = loaded_nccl_version()
+    if version is None:
+        return "the reference backend: no NCCL library could be loaded"
+    error = scale_out_version_error(version)
+    if error is not None:
+        return f"the reference backend: {error}"
     return (
-        f"{group}; virtual ranks on one GPU (deep_ep.loopback): loopback; groups across hosts: the reference "
-        "backend (scale-out is not built yet)"
+        f"the reference backend: NCCL {version_string(version)} has GIN (>= 2.30.4), but the kernels' GIN direct "
+        "mode is not built yet"
     )
 
 
@@ -225,6 +240,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("cuda-bindings", _try(lambda: _version("cuda-bindings"))),
         ("cuda-core", _try(lambda: _version("cuda-core"))),
         ("transport", _try(_transport_line)),
+        ("scale-out", _try(_scale_out_line)),
         ("JIT cache", _try(_cache_line)),
         ("JIT arch", _try(_arch_line, "not set")),
     ]

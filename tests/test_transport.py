@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from deep_ep.backends.kernels import transport
 from deep_ep.backends.kernels.backend import NvlinkBackend
 from deep_ep.backends.kernels.layout import MAX_RANKS
 from deep_ep.backends.kernels.transport import TransportChoice, choose_transport
@@ -59,7 +60,16 @@ class _ProcessGroup:
     [
         (False, "nccl", 0, True, None, "CUDA is not available"),
         (True, "gloo", 2, True, None, "the group's backend is 'gloo', not NCCL"),
-        (True, "nccl", 1, True, None, "2 ranks, more than this host's 1 GPUs or the kernels' 64"),
+        (
+            True,
+            "nccl",
+            1,
+            True,
+            None,
+            "2 ranks, more than this host's 1 GPUs, so the group spans hosts: across "
+            "hosts the kernels need their GIN direct mode, which is not built yet (NCCL 2.32.3 would carry it); "
+            "backend='reference' serves the group",
+        ),
         (True, "nccl", 2, False, None, "GPU 0 cannot reach GPU 1's memory (no peer access)"),
         (True, "nccl", 2, True, "nccl_lsa", "2 NCCL ranks on this host's 2 GPUs, all peers reachable"),
     ],
@@ -72,6 +82,7 @@ def test_real_ranks_use_nccl_lsa_inside_one_nvlink_domain(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: num_devices)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer_access)
     monkeypatch.setattr(dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(transport, "loaded_nccl_version", lambda: 23203)
     group = _ProcessGroup(2)
     assert choose_transport(group) == TransportChoice(name, reason)  # type: ignore[arg-type]
     assert NvlinkBackend.is_supported(group) is (name is not None)  # type: ignore[arg-type]
@@ -91,3 +102,48 @@ def test_info_says_which_transport_this_host_would_use(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer_access)
     line = _transport_line()
     assert line.startswith(expected + "; virtual ranks on one GPU (deep_ep.loopback): loopback"), line
+
+
+@pytest.mark.parametrize(("version", "expected", "absent"), [
+    (22809, ["needs NCCL >= 2.30.4", "loaded NCCL 2.28.9", "pip install -U nvidia-nccl-cu12", "nvidia-nccl-cu13",
+             "backend='reference'"], "not built yet"),
+    (23003, ["needs NCCL >= 2.30.4", "loaded NCCL 2.30.3"], "not built yet"),
+    (23004, ["GIN direct mode, which is not built yet (NCCL 2.30.4 would carry it)", "backend='reference'"], ">="),
+    (23203, ["(NCCL 2.32.3 would carry it)"], "pip install"),
+    (None, ["no NCCL library could be loaded"], "GIN"),
+])  # fmt: skip
+def test_a_group_across_hosts_is_told_which_nccl_it_needs(version: int | None, expected: list[str],
+                                                          absent: str) -> None:  # fmt: skip
+    choice = transport.scale_out_choice(16, 8, version)
+    assert choice.name is None and choice.reason.startswith(
+        "16 ranks, more than this host's 8 GPUs, so the group spans"
+    )
+    for text in expected:
+        assert text in choice.reason, choice.reason
+    assert absent not in choice.reason, choice.reason
+
+
+def test_asking_for_the_kernels_on_a_group_they_cannot_serve_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deep_ep.buffer import select_backend_class
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(transport, "loaded_nccl_version", lambda: 22809)
+    with pytest.raises(
+        ValueError, match=r"`backend`='kernels' does not support this group \(16 ranks, .*NCCL >= 2\.30\.4"
+    ):
+        select_backend_class(_ProcessGroup(16), "kernels")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    (22809, "the reference backend: a group across hosts needs NCCL >= 2.30.4"),
+    (23203, "the reference backend: NCCL 2.32.3 has GIN (>= 2.30.4), but the kernels' GIN direct mode is not built yet"),
+    (None, "the reference backend: no NCCL library could be loaded"),
+])  # fmt: skip
+def test_info_says_what_a_group_across_hosts_would_get(monkeypatch: pytest.MonkeyPatch, version: int | None,
+                                                       expected: str) -> None:  # fmt: skip
+    from deep_ep.cli import _scale_out_line
+
+    monkeypatch.setattr(transport, "loaded_nccl_version", lambda: version)
+    assert _scale_out_line().startswith(expected), _scale_out_line()

@@ -403,6 +403,11 @@ class EPBackend(abc.ABC):
         return True
 
     @classmethod
+    def unsupported_reason(cls, group: dist.ProcessGroup) -> str | None:
+        """Why this backend cannot serve `group` (one sentence), or `None` when it can or cannot say."""
+        return None
+
+    @classmethod
     def get_buffer_size_hint(
         cls,
         group: dist.ProcessGroup,

@@ -49,6 +49,11 @@ class NvlinkBackend(EPBackend):
         """Whether some transport reaches every peer of `group` from here (`transport.choose_transport`)."""
         return choose_transport(group).supported
 
+    @classmethod
+    def unsupported_reason(cls, group: dist.ProcessGroup) -> str | None:
+        choice = choose_transport(group)
+        return None if choice.supported else choice.reason
+
     @property
     def dead_reason(self) -> str | None:
         return self.runtime.dead_reason

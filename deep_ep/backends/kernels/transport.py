@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 
 from deep_ep.backends.base import loopback_world_of
+from deep_ep.jit.nccl_headers import version_string
 
 from . import specs
 from .layout import MAX_RANKS
+from .nccl.gin import scale_out_version_error
 from .nccl.peer_windows import NcclPeerWindows
 
 
@@ -130,10 +132,10 @@ def choose_nccl_transport(num_ranks: int) -> TransportChoice:
     if not torch.cuda.is_available():
         return TransportChoice(None, "CUDA is not available")
     num_devices = torch.cuda.device_count()
-    if num_ranks > min(num_devices, MAX_RANKS):
-        return TransportChoice(
-            None, f"{num_ranks} ranks, more than this host's {num_devices} GPUs or the kernels' {MAX_RANKS}"
-        )
+    if num_ranks > num_devices:
+        return scale_out_choice(num_ranks, num_devices, loaded_nccl_version())
+    if num_ranks > MAX_RANKS:
+        return TransportChoice(None, f"{num_ranks} ranks, more than the kernels' {MAX_RANKS}")
     for a in range(num_devices):
         for b in range(num_devices):
             if a != b and not torch.cuda.can_device_access_peer(a, b):
@@ -142,6 +144,31 @@ def choose_nccl_transport(num_ranks: int) -> TransportChoice:
     gpus = "1 GPU" if num_devices == 1 else f"{num_devices} GPUs"
     peers = "no peers to reach" if num_ranks == 1 else "all peers reachable"
     return TransportChoice("nccl_lsa", f"{ranks} on this host's {gpus}, {peers}")
+
+
+def loaded_nccl_version() -> int | None:
+    """`ncclGetVersion()` of the libnccl this process uses, or `None` when there is none to load."""
+    from deep_ep.jit import NCCLHeadersError, nccl_runtime_version
+
+    try:
+        return nccl_runtime_version()
+    except (NCCLHeadersError, OSError):
+        return None
+
+
+def scale_out_choice(num_ranks: int, num_local_gpus: int, nccl_version: int | None) -> TransportChoice:
+    """The answer for an NCCL group of `num_ranks` ranks, more than this host's `num_local_gpus`
+    GPUs (so across hosts), with NCCL `nccl_version` loaded (`None`: none found): across hosts the
+    kernels need GIN (NCCL >= 2.30.4), and their GIN direct mode is not built yet."""
+    where = f"{num_ranks} ranks, more than this host's {num_local_gpus} GPUs, so the group spans hosts"
+    if nccl_version is None:
+        return TransportChoice(None, f"{where}, and no NCCL library could be loaded to carry it")
+    error = scale_out_version_error(nccl_version)
+    if error is not None:
+        return TransportChoice(None, f"{where}: {error}")
+    return TransportChoice(None, f"{where}: across hosts the kernels need their GIN direct mode, which is not "
+                                 f"built yet (NCCL {version_string(nccl_version)} would carry it); "
+                                 "backend='reference' serves the group")  # fmt: skip
 
 
 @dataclass(frozen=True)
