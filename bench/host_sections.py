@@ -52,33 +52,29 @@ def install() -> None:
     from deep_ep.jit import kernel as jk
 
     import deep_ep.backends.kernels.backend as kb
-    import deep_ep.backends.kernels.combine as kc
     import deep_ep.backends.kernels.dispatch as kd
     import deep_ep.backends.kernels.runtime as kr
     import deep_ep.buffer as fb
     import deep_ep.event as ev
 
-    patch(fb, "validate_dispatch", "validate_dispatch")
-    patch(fb, "validate_combine", "validate_combine")
-    patch(fb, "EPHandle", "EPHandle()")
-    patch(fb.ElasticBuffer, "_checked", "facade._checked")
-    patch(fb.ElasticBuffer, "_communicate", "facade._communicate")
-    patch(ev.CommStreamScope, "__init__", "scope.enter")
-    patch(ev.CommStreamScope, "finish", "scope.finish")
-    patch(kb.NvlinkBackend, "dispatch", "backend.dispatch")
-    patch(kb.NvlinkBackend, "combine", "backend.combine")
-    patch(kb, "run_dispatch", "run_dispatch")
-    patch(kb, "run_combine", "run_combine")
-    patch(kd, "_dispatch_outputs", "_dispatch_outputs")
-    patch(kd, "_launch_dispatch_epilogue", "_launch_dispatch_epilogue")
-    patch(kr.NvlinkRuntime, "check_error", "runtime.check_error")
-    patch(kr.NvlinkRuntime, "take_input_error", "runtime.take_input_error")
-    patch(kr.NvlinkRuntime, "wait_counts", "runtime.wait_counts")
-    patch(jk.Kernel, "launch", "Kernel.launch")
-    patch(torch, "empty", "torch.empty")
-    patch(torch.Tensor, "record_stream", "record_stream")
-    patch(torch.Tensor, "clone", "clone")
-    _ = kc  # run_combine is wrapped where the backend calls it
+    # (owner, attribute, section name): the facade, the stream scope, the backend, the launch
+    # sequence, the runtime's checks and waits, the JIT's launch and torch's allocations
+    sections = [
+        (fb, "validate_dispatch", "validate_dispatch"), (fb, "validate_combine", "validate_combine"),
+        (fb, "EPHandle", "EPHandle()"), (fb.ElasticBuffer, "_checked", "facade._checked"),
+        (fb.ElasticBuffer, "_communicate", "facade._communicate"), (ev.CommStreamScope, "__init__", "scope.enter"),
+        (ev.CommStreamScope, "finish", "scope.finish"), (kb.NvlinkBackend, "dispatch", "backend.dispatch"),
+        (kb.NvlinkBackend, "combine", "backend.combine"), (kb, "run_dispatch", "run_dispatch"),
+        (kb, "run_combine", "run_combine"), (kd, "_dispatch_outputs", "_dispatch_outputs"),
+        (kd, "_launch_dispatch_epilogue", "_launch_dispatch_epilogue"),
+        (kr.NvlinkRuntime, "check_error", "runtime.check_error"),
+        (kr.NvlinkRuntime, "take_input_error", "runtime.take_input_error"),
+        (kr.NvlinkRuntime, "wait_counts", "runtime.wait_counts"), (jk.Kernel, "launch", "Kernel.launch"),
+        (torch, "empty", "torch.empty"), (torch.Tensor, "record_stream", "record_stream"),
+        (torch.Tensor, "clone", "clone"),
+    ]  # fmt: skip
+    for owner, attr, name in sections:
+        patch(owner, attr, name)
 
 
 def rank_fn(rank: int, group: object, args: argparse.Namespace) -> dict:
