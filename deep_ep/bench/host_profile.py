@@ -3,8 +3,9 @@
 Every rank makes the same calls (they are collective); the first rank's thread runs them under
 `cProfile`, enabled only from a call's entry to its return, so the barriers between calls are left
 out. From Python 3.12 on, cProfile sees every thread of the process, so with virtual ranks (threads)
-profile one rank (`--ranks 1`; the CLI refuses more). A profiler's hooks add their own cost to every Python function call, so its totals exceed the
-unprofiled host wall time: read the shares, not the sums. The result per operation:
+profile one rank (`--ranks 1`; the CLI refuses more). A profiler's hooks add their own cost to every
+Python function call, so its totals exceed the unprofiled host wall time: read the shares, not the
+sums. The result per operation:
 
 - `areas`: the profiler's own time (`tottime`) per call, summed by where the code lives (our
   validation, facade, backend, JIT, torch's Python, C functions such as torch's tensor methods and

@@ -234,13 +234,12 @@ def run_dispatch(
             # The epilogue runs next to the dispatch kernel, also after a CPU sync (the host waited
             # for the counts only, which come before the kernel's sends, or with rank masking on
             # timeout right after its own)
-            num_busy_sms = num_sms
             if before_epilogue is not None:
                 before_epilogue()
             _launch_dispatch_epilogue(runtime, epilogue_kernel, stream, x, x_scales, state, outputs,
                                       recv_src_metadata, num_recv_per_expert, expand_scratch, cached,
                                       num_max_tokens_per_rank, num_local_experts, expert_alignment,
-                                      do_zero_padding, arrival_slots, op_hash, num_busy_sms)  # fmt: skip
+                                      do_zero_padding, arrival_slots, op_hash, num_sms)  # fmt: skip
     except BaseException as error:
         runtime.fail_between_launches("dispatch", error)
         raise
