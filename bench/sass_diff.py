@@ -48,6 +48,12 @@ def _sass(tree: Path, ranks: int, hidden: int, masked: bool, cache: Path) -> dic
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def _by_shape(found: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The kernels keyed without their transport argument (the LSA kernels of a tree from before the
+    transports had none), so that the same kernel of both trees meets."""
+    return {re.sub(r",deep_ep::transport::Lsa$", "", key): code for key, code in found.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rev", help="the git revision to compare against (e.g. the commit before a change)")
@@ -65,6 +71,7 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_tree)], check=True)
         new = _sass(ROOT, args.ranks, args.hidden, False, Path(scratch) / "cache-new")
         masked = _sass(ROOT, args.ranks, args.hidden, True, Path(scratch) / "cache-new")
+    old, new, masked = (_by_shape(found) for found in (old, new, masked))
     num_same = 0
     for key, code in sorted(new.items()):
         # A revision from before rank masking has no trailing `kRankMasking` argument

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import threading
 import weakref
@@ -87,6 +88,14 @@ def _one_thread_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
+def _supports_by_name(backend_class: type[EPBackend], group: dist.ProcessGroup) -> bool:
+    """`is_supported` for a backend asked for by name: one whose `is_supported` takes `requested`
+    (the kernels, which `'auto'` keeps off GIN across hosts) is told it was."""
+    if "requested" in inspect.signature(backend_class.is_supported).parameters:
+        return bool(backend_class.is_supported(group, requested=True))  # type: ignore[call-arg]
+    return bool(backend_class.is_supported(group))
+
+
 def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = True) -> type[EPBackend]:
     """Choose the backend class for `group` through `deep_ep.backends.registry`.
 
@@ -107,7 +116,7 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
                 f"ElasticBuffer: `backend`={backend!r} needs {registry.entry(backend).module}, which failed to "
                 f"import: {error}"
             ) from error
-        if not backend_class.is_supported(group):
+        if not _supports_by_name(backend_class, group):
             why = backend_class.unsupported_reason(group) or f"{backend_class.__name__}.is_supported is False"
             raise ValueError(f"ElasticBuffer: `backend`={backend!r} does not support this group ({why})")
         return backend_class
@@ -229,6 +238,28 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{op}: `{name}` must be a positive number of seconds, got {value!r}")
         backend_class = select_backend_class(group, backend)
+        # Physical and logical domains (the host exchange is collective on a real group)
+        self.num_rdma_ranks, self.num_nvlink_ranks = get_physical_domain_size(group)
+        self.num_scaleout_ranks, self.num_scaleup_ranks = logical_domains(
+            (self.num_rdma_ranks, self.num_nvlink_ranks), group.size(), flags["allow_hybrid_mode"]
+        )
+        if self.num_scaleout_ranks > 1 and (
+            self.num_scaleout_ranks > MAX_SCALEOUT_RANKS or self.num_scaleup_ranks > MAX_SCALEUP_RANKS
+        ):
+            raise ValueError(
+                f"{op}: hybrid mode needs <= {MAX_SCALEOUT_RANKS} nodes of <= {MAX_SCALEUP_RANKS} ranks (DeepEP V2's "
+                f"limits), got {self.num_scaleout_ranks} nodes of {self.num_scaleup_ranks} ranks; pass "
+                "allow_hybrid_mode=False for direct mode"
+            )
+        if self.num_scaleout_ranks > 1 and not backend_class.supports_hybrid_mode:
+            # Hybrid mode's combine rounds per host first: a backend without it would give other bits
+            if backend != "auto":
+                raise ValueError(
+                    f"{op}: `backend`={backend!r} has no hybrid mode (the group spans {self.num_scaleout_ranks} "
+                    "hosts and `allow_hybrid_mode` is True); pass allow_hybrid_mode=False for direct mode, or "
+                    "backend='reference'"
+                )
+            backend_class = select_backend_class(group, "reference")
         if num_bytes is None:
             if num_max_tokens_per_rank <= 0 or hidden <= 0:
                 raise ValueError(
@@ -286,19 +317,6 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         self._pp = PpState()
         self._engram: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._user = ""
-        # Physical and logical domains (the host exchange is collective on a real group)
-        self.num_rdma_ranks, self.num_nvlink_ranks = get_physical_domain_size(group)
-        self.num_scaleout_ranks, self.num_scaleup_ranks = logical_domains(
-            (self.num_rdma_ranks, self.num_nvlink_ranks), self.num_ranks, self.allow_hybrid_mode
-        )
-        if self.num_scaleout_ranks > 1 and (
-            self.num_scaleout_ranks > MAX_SCALEOUT_RANKS or self.num_scaleup_ranks > MAX_SCALEUP_RANKS
-        ):
-            raise ValueError(
-                f"{op}: hybrid mode needs <= {MAX_SCALEOUT_RANKS} nodes of <= {MAX_SCALEUP_RANKS} ranks (DeepEP V2's "
-                f"limits), got {self.num_scaleout_ranks} nodes of {self.num_scaleup_ranks} ranks; pass "
-                "allow_hybrid_mode=False for direct mode"
-            )
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         config = BufferConfig(

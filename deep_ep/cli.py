@@ -194,7 +194,10 @@ def _transport_line() -> str:
     group = f"an NCCL group of {gpus}: " + (
         f"{choice.name} ({choice.reason})" if choice.supported else f"the reference backend ({choice.reason})"
     )
-    return f"{group}; virtual ranks on one GPU (deep_ep.loopback): loopback; groups across hosts: see scale-out"
+    return (
+        f"{group}; virtual ranks on one GPU (deep_ep.loopback): loopback (with virtual nodes, the other nodes "
+        "through the emulated NIC); groups across hosts: see scale-out"
+    )
 
 
 def _scale_out_line() -> str:
@@ -210,8 +213,9 @@ def _scale_out_line() -> str:
     if error is not None:
         return f"the reference backend: {error}"
     return (
-        f"the reference backend: NCCL {version_string(version)} has GIN (>= 2.30.4), but the kernels' GIN direct "
-        "mode is not built yet"
+        f"the reference backend with backend='auto'; with backend='kernels', nccl_gin (direct mode over NCCL "
+        f"{version_string(version)}'s GIN, >= 2.30.4; never run on a NIC here, docs/transport.md); virtual nodes "
+        "(deep_ep.loopback): the kernels, across nodes through the emulated NIC"
     )
 
 

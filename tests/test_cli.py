@@ -87,7 +87,8 @@ def test_jit_warmup_compiles_the_shape_it_is_given(jit_cache):
                   "--experts", "64")  # fmt: skip
     assert dry.returncode == 0, dry.stderr
     names = [line.split(maxsplit=1)[1] for line in dry.stdout.splitlines() if line.startswith("  ")]
-    assert "deep_ep::dispatch_impl<8, 8192, 0, 6, 512, false, false>" in names  # BF16 rows of 8192 bytes, no masking
+    # BF16 rows of 8192 bytes, no masking, over LSA (one NVLink domain)
+    assert "deep_ep::dispatch_impl<8, 8192, 0, 6, 512, false, false, deep_ep::transport::Lsa>" in names
     assert any(name.startswith("deep_ep::dispatch_impl<8, 4096, 128,") for name in names)  # FP8, per-128 scales
     assert any(name.startswith("deep_ep::combine_impl<8, 4096, 6, 6,") for name in names)  # 8 local experts >= top-6
     assert not any("<2," in name for name in names)

@@ -34,7 +34,8 @@ def test_warmup_specs_compile_without_spills():
 @compiles
 def test_rank_masking_variants_compile_without_spills():
     specs = kernel_specs.moe_specs(8, 2048, 8, 256, fp8_scale_bytes=(64,), rank_masking=True)[1:]  # no barrier
-    assert {s.template_args[-1] for s in specs} == {"true"}
+    # The masking flag, before the transport (LSA here)
+    assert {s.template_args[-2:] for s in specs} == {("true", "deep_ep::transport::Lsa")}
     with ThreadPoolExecutor(max_workers=2) as pool:
         entries = list(pool.map(compile_spec, specs))
     assert all(entry.binary_path.stat().st_size > 0 for entry in entries)

@@ -39,6 +39,19 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kPeerMessageBytes == {layout.PEER_MESSAGE_BYTES});",
         f"static_assert(deep_ep::kMaskOnTimeoutOffset == {layout.MASK_ON_TIMEOUT_OFFSET});",
         f"static_assert(deep_ep::kTimedOutRanksOffset == {layout.TIMED_OUT_RANKS_OFFSET});",
+        f"static_assert(deep_ep::kScaleoutRegionOffset == {layout.SCALEOUT_REGION_OFFSET});",
+        f"static_assert(deep_ep::kScaleoutRingBytesOffset == {layout.SCALEOUT_RING_BYTES_OFFSET});",
+        f"static_assert(deep_ep::kNumScaleupRanksOffset == {layout.NUM_SCALEUP_RANKS_OFFSET});",
+        f"static_assert(deep_ep::kFaultForwardedOffset == {layout.FAULT_FORWARDED_OFFSET});",
+        f"static_assert(deep_ep::kStagingEntriesCapOffset == {layout.STAGING_ENTRIES_CAP_OFFSET});",
+        f"static_assert(deep_ep::kRemoteCreditOffset == {layout.REMOTE_CREDIT_OFFSET});",
+        f"static_assert(deep_ep::kRemoteSignatureOffset == {layout.REMOTE_SIGNATURE_OFFSET});",
+        f"static_assert(deep_ep::kRemoteFaultOffset == {layout.REMOTE_FAULT_OFFSET});",
+        f"static_assert(deep_ep::kRemoteBarrierOffset == {layout.REMOTE_BARRIER_OFFSET});",
+        f"static_assert(deep_ep::kBarrierPassedOffset == {layout.BARRIER_PASSED_OFFSET});",
+        f"static_assert(deep_ep::kRemoteArrivalOffset == {layout.REMOTE_ARRIVAL_OFFSET});",
+        f"static_assert(deep_ep::kCountStagingOffset == {layout.COUNT_STAGING_OFFSET});",
+        f"static_assert(deep_ep::kStagingRingOffset == {layout.STAGING_RING_OFFSET});",
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
         f"static_assert(deep_ep::kArrivalOffset == {layout.ARRIVAL_OFFSET});",
         f"static_assert(deep_ep::kMaxArrivalBlocks == {layout.MAX_ARRIVAL_BLOCKS});",
@@ -79,7 +92,8 @@ def _assertions(offset_delta: int = 0) -> str:
                     "dispatch counts": "kPhaseDispatchCounts",
                     "operation mismatch (the ranks ran different sequences of operations)": "kPhaseOpMismatch",
                     "epilogue entry (peer's operation signature)": "kPhaseOpSignature",
-                    "host error (a rank raised inside an operation or rejected its input)": "kPhaseHostError"}[name]  # fmt: skip
+                    "host error (a rank raised inside an operation or rejected its input)": "kPhaseHostError",
+                    "transport deadline (the emulated NIC or a flush of the puts passed it)": "kPhaseNic"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")
     return "\n".join(lines)
 
@@ -87,7 +101,7 @@ def _assertions(offset_delta: int = 0) -> str:
 def _compile(tmp_path, body: str):
     (tmp_path / "layout_check.cuh").write_text(
         "#pragma once\n#include <deep_ep/common/layout.cuh>\n#include <deep_ep/common/fault.cuh>\n"
-        "#include <deep_ep/kernels/dispatch_epilogue.cuh>\n"
+        "#include <deep_ep/common/scaleout.cuh>\n#include <deep_ep/kernels/dispatch_epilogue.cuh>\n"
         f"{body}\ntemplate <int kUnused> __global__ void layout_check_impl(int* out) {{ *out = kUnused; }}\n"
     )
     spec = KernelSpec(header="layout_check.cuh", name="layout_check_impl", template_args=(0,),

@@ -86,6 +86,42 @@ def test_gin_requirements_refuse_bad_arguments(shim):
         device_comm.gin_requirements(17, "rail")
 
 
+class _RecordingShim:
+    """The real shim, except that `ncclDevCommCreate` (which needs a communicator) only records the
+    requirements it was given and answers LSA (rank, size) = (0, 2)."""
+
+    def __init__(self, shim) -> None:
+        self._shim = shim
+        self.created: list[bytes] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._shim, name)
+
+    def ep_dev_comm_create(self, comm, requirements, out, lsa_rank, lsa_size) -> int:
+        self.created.append(bytes(requirements))
+        lsa_rank._obj.value, lsa_size._obj.value = 0, 2
+        return 0
+
+
+@pytest.mark.parametrize("lsa_barrier_count", [1, 4])
+def test_a_single_node_device_communicator_passes_no_gin_field_to_nccl(shim, lsa_barrier_count):
+    """`DeviceCommunicator` without GIN contexts (one node: its only path on 2.28.9, and on torch's
+    communicator) hands `ncclDevCommCreate` requirements with no GIN field set, whatever the headers."""
+    recording = _RecordingShim(shim)
+    with pytest.MonkeyPatch.context() as patch:  # undone before `shim` rebuilds the real one
+        patch.setattr(device_comm, "_shim", lambda: recording)
+        for is_own in (False, True):
+            comm = SimpleNamespace(is_own=is_own, handle=0x1234, lib=SimpleNamespace(check=lambda *args: None))
+            dev_comm = device_comm.DeviceCommunicator(comm, lsa_barrier_count=lsa_barrier_count)
+            assert (dev_comm.lsa_rank, dev_comm.lsa_size) == (0, 2)
+            assert len(dev_comm.raw) == shim.ep_dev_comm_bytes()
+        assert len(recording.created) == 2
+        offset = shim.ep_dev_comm_lsa_barrier_count_offset()
+        for requirements in recording.created:
+            assert device_comm.gin_fields_set(requirements) == []
+            assert int.from_bytes(requirements[offset : offset + 4], "little", signed=True) == lsa_barrier_count
+
+
 def test_gin_contexts_are_refused_on_torchs_communicator_before_any_nccl_call():
     borrowed = SimpleNamespace(is_own=False, handle=0x1234, lib=None)
     with pytest.raises(ValueError, match="GIN contexts need a communicator of our own"):

@@ -391,6 +391,9 @@ class EPBackend(abc.ABC):
     # True: honours `DispatchRequest.masked_ranks` (`ElasticBuffer(enable_rank_masking=True)`)
     supports_rank_masking: ClassVar[bool] = False
     supports_mask_on_timeout: ClassVar[bool] = False
+    # True: serves hybrid mode (a group across hosts with `allow_hybrid_mode`: each host's partials
+    # reduced first, `BufferConfig.num_scaleup_ranks`); else only direct mode
+    supports_hybrid_mode: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         self.group = group

@@ -94,7 +94,7 @@ def measure_rank(rank: int, num_ranks: int, settings: CalibrationSettings) -> di
             print(f"calibrate: {text}", file=sys.stderr, flush=True)
 
     # The link: the peer-store probe on m SMs, every rank writing at once
-    num_bytes = min(256 << 20, (runtime.windows.num_bytes - (1 << 20)) // 16 * 16)
+    num_bytes = min(256 << 20, (runtime.data_bytes - (1 << 20)) // 16 * 16)
     sources = [torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda") for _ in range(2)]
     probe = []
     for m in sms:

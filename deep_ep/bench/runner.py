@@ -296,7 +296,7 @@ def _speed_of_light(buffer: Any, sms: list[int], config: BenchConfig, align: Cal
     from ..backends.kernels.runtime import peer_store
 
     runtime = buffer.backend.runtime
-    num_bytes = min(256 << 20, (runtime.windows.num_bytes - (1 << 20)) // 16 * 16)
+    num_bytes = min(256 << 20, (runtime.data_bytes - (1 << 20)) // 16 * 16)
     if config.virtual_ranks:  # every rank writes into one GPU's memory: about 2 GiB per iteration in all
         num_bytes = min(num_bytes, (2 << 30) // (runtime.num_ranks * (runtime.num_ranks - 1)) // 16 * 16)
     sources = [torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda") for _ in range(2)]

@@ -85,8 +85,11 @@ class LoopbackWorld:
         reserve_bytes: device memory kept in torch's caching allocator for each rank's streams
             (default: 40% of the free memory over the ranks, at most 4 GiB each; see the module notes).
         num_ranks_per_node: virtual nodes of this many consecutive ranks (default: one node); the
-            buffers see them as hosts (`deep_ep.get_physical_domain_size`), so that hybrid mode's
-            contract runs on the reference backend (the kernels' transport across nodes is not built).
+            buffers see them as hosts (`deep_ep.get_physical_domain_size`), and the kernels reach the
+            ranks of other nodes only through an emulated NIC (`nic`).
+        nic: the emulated NIC between virtual nodes: `'strict'` (puts late and shuffled by a NIC CTA,
+            GIN's weakest guarantees), `'eager'` (puts copy at once), or a
+            `deep_ep.backends.kernels.links.NicOptions`.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class LoopbackWorld:
         timeout_s: float = 300.0,
         reserve_bytes: int | None = None,
         num_ranks_per_node: int | None = None,
+        nic: Any = "strict",
     ) -> None:
         from ..backends.kernels.layout import MAX_RANKS
 
@@ -115,6 +119,13 @@ class LoopbackWorld:
                 f"LoopbackWorld: `num_ranks_per_node` must be a positive int dividing num_ranks = {num_ranks}, "
                 f"got {num_ranks_per_node!r}"
             )
+        from ..backends.kernels.links import NicOptions
+
+        if isinstance(nic, str) and nic in ("strict", "eager"):
+            nic = NicOptions(strict=nic == "strict")
+        if not isinstance(nic, NicOptions):
+            raise ValueError(f"LoopbackWorld: `nic` must be 'strict', 'eager' or a NicOptions, got {nic!r}")
+        self.nic = nic
         self.device = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():

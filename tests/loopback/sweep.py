@@ -29,38 +29,48 @@ SHAPES = {
 }
 LOCAL_EXPERTS = (1, 2, 3, 8, 16, 64)
 MAX_HIDDEN, MAX_TOPK = 7168, 9
+# Virtual nodes (the kernels across nodes, through the emulated NIC): one shape per world size, so that
+# CI builds every kernel of both NIC modes in its time; between them every dtype, top-k 8 and 9, and
+# both combine layouts with and without multiple reduction (the graph, stall and mistake tests of
+# virtual nodes use the 8-rank shape)
+NODE_SHAPES = {8: ((2560, 8, ALL),), 16: ((4096, 9, ALL),)}
+NODE_LOCAL_EXPERTS = (1, 2, 8, 64)
 
 
 def num_max_tokens(num_ranks: int) -> int:
     return 256 if num_ranks >= 8 else 512
 
 
-def kernel_specs(num_ranks: int) -> list:
-    """Every kernel specialisation the sweep of `num_ranks` ranks can launch."""
+def kernel_specs(num_ranks: int, transport: str = "lsa", shapes: dict = SHAPES,
+                 local_experts: tuple[int, ...] = LOCAL_EXPERTS) -> list:  # fmt: skip
+    """Every kernel specialisation the sweep of `num_ranks` ranks over `transport` can launch (its
+    `shapes` and `local_experts`: `NODE_SHAPES` and `NODE_LOCAL_EXPERTS` across virtual nodes)."""
     from deep_ep.backends.kernels import specs as kernels
 
-    specs = [kernels.barrier_spec(num_ranks)]
-    for hidden, num_topk, dtypes in SHAPES[num_ranks]:
+    specs = [kernels.barrier_spec(num_ranks, transport), kernels.post_fault_spec(transport)]
+    for hidden, num_topk, dtypes in shapes[num_ranks]:
         for dtype in dtypes:
             args = (num_ranks, *row_bytes(dtype, hidden), num_topk)
-            specs += [kernels.dispatch_spec(*args, cached) for cached in (False, True)]
-            specs.append(kernels.dispatch_expand_rank_spec(*args))
-            specs += [kernels.dispatch_epilogue_spec(*args, expand) for expand in (False, True)]
-        rows = {(1, False), (1, True)} | {(min(num_topk, local), True) for local in LOCAL_EXPERTS}
+            specs += [kernels.dispatch_spec(*args, cached, False, transport) for cached in (False, True)]
+            specs.append(kernels.dispatch_expand_rank_spec(*args, False, transport))
+            specs += [kernels.dispatch_epilogue_spec(*args, expand, False, transport) for expand in (False, True)]
+        rows = {(1, False), (1, True)} | {(min(num_topk, local), True) for local in local_experts}
         for num_rows, expand in sorted(rows):
-            specs.append(kernels.combine_spec(num_ranks, hidden, num_topk, num_rows, expand))
-            specs.append(kernels.combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows))
+            specs.append(kernels.combine_spec(num_ranks, hidden, num_topk, num_rows, expand, False, transport))
+            specs.append(kernels.combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows, False, transport))
     return list(dict.fromkeys(specs))
 
 
-def make_cases(num_ranks: int, num_cases: int, seed: int) -> list[dict[str, Any]]:
-    """`num_cases` configurations for `num_ranks` ranks; the first few pin the corners (zero tokens
-    everywhere, every lane -1, all to one rank, the largest local expert count)."""
+def make_cases(num_ranks: int, num_cases: int, seed: int, shapes: dict = SHAPES,
+               local_experts: tuple[int, ...] = LOCAL_EXPERTS) -> list[dict[str, Any]]:  # fmt: skip
+    """`num_cases` configurations for `num_ranks` ranks (of `shapes`, with `local_experts` experts per
+    rank); the first few pin the corners (zero tokens everywhere, every lane -1, all to one rank, the
+    largest local expert count)."""
     rng = random.Random(seed * 1009 + num_ranks)
     cases = []
     for i in range(num_cases):
-        hidden, num_topk, dtypes = rng.choice(SHAPES[num_ranks])
-        local = rng.choice([e for e in LOCAL_EXPERTS if e * num_ranks >= num_topk])
+        hidden, num_topk, dtypes = rng.choice(shapes[num_ranks])
+        local = rng.choice([e for e in local_experts if e * num_ranks >= num_topk])
         expand = rng.random() < 0.5
         case = dict(
             index=i, hidden=hidden, num_topk=num_topk, dtype=rng.choice(dtypes), num_local_experts=local,
@@ -76,8 +86,13 @@ def make_cases(num_ranks: int, num_cases: int, seed: int) -> list[dict[str, Any]
             col_major=rng.random() < 0.5, cached_weights=rng.random() < 0.7,
         )  # fmt: skip
         cases.append(case)
-    # Corners first: no tokens anywhere; every lane -1; every token to one rank; 64 experts per rank
-    corners = [dict(zero_all=True), dict(routing="none"), dict(routing="one"), dict(num_local_experts=64)]
+    # Corners first: no tokens anywhere; every lane -1; every token to one rank; the most experts per rank
+    corners = [
+        dict(zero_all=True),
+        dict(routing="none"),
+        dict(routing="one"),
+        dict(num_local_experts=max(local_experts)),
+    ]
     for case, corner in zip(cases, corners, strict=False):
         case.update(corner)
     for case in cases:
@@ -192,10 +207,12 @@ def make_buffers(group: Any, num_ranks: int, timeout_s: int = 30, backends: tupl
     max_tokens = max_tokens or num_max_tokens(num_ranks)
     buffers = {}
     for multiple_reduction in (True, False):
+        # Direct mode also across virtual nodes (the kernels have no hybrid mode yet)
         pair = tuple(
             deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max_tokens, hidden=MAX_HIDDEN,
                                   num_topk=MAX_TOPK, use_fp8_dispatch=False, allow_multiple_reduction=multiple_reduction,
-                                  backend=backend, explicitly_destroy=True, num_gpu_timeout_secs=timeout_s)
+                                  allow_hybrid_mode=False, backend=backend, explicitly_destroy=True,
+                                  num_gpu_timeout_secs=timeout_s)
             for backend in backends
         )  # fmt: skip
         assert tuple(b.backend.name for b in pair) == tuple(backends), (pair, backends)

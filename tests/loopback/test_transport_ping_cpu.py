@@ -25,10 +25,10 @@ def test_bad_ping_arguments_are_refused_naming_the_argument(kwargs: dict, messag
         transport_ping(None, **kwargs)  # type: ignore[arg-type]  (refused before the runtime is used)
 
 
-def test_every_mistake_has_the_kernels_code():
-    header = Path(__file__).resolve().parents[2] / "include/deep_ep/kernels/transport_ping.cuh"
-    enum = re.search(r"enum PingMistake : int \{([^}]*)\}", header.read_text()).group(1)
+def test_every_mistake_has_the_emulated_nics_code():
+    header = Path(__file__).resolve().parents[2] / "include/deep_ep/transport/emulated.cuh"
+    enum = re.search(r"enum NicMistake : int \{([^}]*)\}", header.read_text()).group(1)
     codes = {name.strip(): int(value) for name, value in re.findall(r"(\w+) = (\d+)", enum)}
-    names = {None: "kPingCorrect", "no_flush": "kPingNoFlush", "signal_first": "kPingSignalFirst",
-             "split_contexts": "kPingSplitContexts"}  # fmt: skip
+    names = {None: "kNicCorrect", "no_flush": "kNicNoFlush", "signal_first": "kNicSignalFirst",
+             "split_contexts": "kNicSplitContexts"}  # fmt: skip
     assert {mistake: codes[names[mistake]] for mistake in PING_MISTAKES} == PING_MISTAKES

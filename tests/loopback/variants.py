@@ -125,18 +125,18 @@ ORDERING_REVERT = (
     ),
     Edit(
         "include/deep_ep/common/comm.cuh",
-        "        if (atomic_add_acq_rel_gpu(arrive, 1) == static_cast<int>(gridDim.x) - 1) {\n",
-        "        __threadfence();\n        if (atomicAdd(arrive, 1) == static_cast<int>(gridDim.x) - 1) {\n",
+        "        if (atomic_add_acq_rel_gpu(arrive, 1) == num_ctas - 1) {\n",
+        "        __threadfence();\n        if (atomicAdd(arrive, 1) == num_ctas - 1) {\n",
     ),
     Edit(
         "include/deep_ep/common/credits.cuh",
-        "        is_last = atomic_add_acq_rel_gpu(done, 1) == static_cast<int>(gridDim.x) - 1;\n",
-        "        __threadfence();\n        is_last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;\n",
+        "        is_last = atomic_add_acq_rel_gpu(done, 1) == num_ctas - 1;\n",
+        "        __threadfence();\n        is_last = atomicAdd(done, 1) == num_ctas - 1;\n",
     ),
     Edit(
         "include/deep_ep/common/tasks.cuh",
-        "        if (threadIdx.x == 0 and atomic_add_acq_rel_gpu(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1)\n",
-        "        if (threadIdx.x == 0 and atomicAdd(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1)\n",
+        "        if (threadIdx.x == 0 and atomic_add_acq_rel_gpu(words_ + 1, 1) == static_cast<int>(num_ctas_) - 1)\n",
+        "        if (threadIdx.x == 0 and atomicAdd(words_ + 1, 1) == static_cast<int>(num_ctas_) - 1)\n",
     ),
 )
 

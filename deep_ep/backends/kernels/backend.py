@@ -15,6 +15,7 @@ from deep_ep.backends.base import (
     DispatchRequest,
     DispatchResult,
     EPBackend,
+    loopback_world_of,
 )
 from deep_ep.event import current_stream
 
@@ -33,26 +34,36 @@ class NvlinkBackend(EPBackend):
     supports_graph_capture: ClassVar[bool] = True
     supports_rank_masking: ClassVar[bool] = True
     supports_mask_on_timeout: ClassVar[bool] = True
+    # Direct mode across nodes only (hybrid mode is issue 17's)
+    supports_hybrid_mode: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
         self._device_index = config.device.index if config.device.index is not None else torch.cuda.current_device()
-        transport = open_transport(group, config.num_bytes)
-        self.runtime = NvlinkRuntime(transport.open_windows, transport.share,
+        transport = open_transport(group, config.num_allocated_qps)
+        world = loopback_world_of(group)
+        self.runtime = NvlinkRuntime(transport, config.num_bytes,
                                      num_gpu_timeout_secs=config.num_gpu_timeout_secs,
                                      num_cpu_timeout_secs=config.num_cpu_timeout_secs,
                                      rank_masking=config.enable_rank_masking,
-                                     mask_on_timeout=config.mask_ranks_on_timeout)  # fmt: skip
+                                     mask_on_timeout=config.mask_ranks_on_timeout, hidden=config.hidden,
+                                     num_topk=config.num_topk,
+                                     ring_entries_per_warp=None if world is None else world.nic.ring_entries_per_warp)  # fmt: skip
 
     @classmethod
-    def is_supported(cls, group: dist.ProcessGroup) -> bool:
-        """Whether some transport reaches every peer of `group` from here (`transport.choose_transport`)."""
-        return choose_transport(group).supported
+    def is_supported(cls, group: dist.ProcessGroup, requested: bool = False) -> bool:
+        """Whether some transport reaches every peer of `group` from here (`transport.choose_transport`)
+        and, unless the kernels were `requested` by name (`backend='kernels'`), `backend='auto'` may
+        take it: not GIN across hosts (`TransportChoice.auto`), which has never run on a NIC."""
+        choice = choose_transport(group)
+        return choice.supported and (choice.auto or requested)
 
     @classmethod
     def unsupported_reason(cls, group: dist.ProcessGroup) -> str | None:
         choice = choose_transport(group)
-        return None if choice.supported else choice.reason
+        if not choice.supported:
+            return choice.reason
+        return None if choice.auto else f"backend='auto' does not take the kernels here ({choice.reason})"
 
     @property
     def dead_reason(self) -> str | None:
@@ -99,6 +110,7 @@ class NvlinkBackend(EPBackend):
             cached_num_recv_tokens_per_expert=None if handle is None else handle.num_unaligned_recv_tokens_per_expert,
             cached_recv_src_metadata=None if handle is None else handle.recv_src_metadata,
             before_epilogue=request.wait_before_epilogue,
+            num_qps=request.num_qps,
         )
         state = out["state"]
         if handle is None:
@@ -143,6 +155,7 @@ class NvlinkBackend(EPBackend):
             do_expand=handle.do_expand,
             allow_multiple_reduction=request.allow_multiple_reduction,
             before_epilogue=request.wait_before_epilogue,
+            num_qps=request.num_qps,
         )
         return CombineResult(combined_x, combined_w)
 

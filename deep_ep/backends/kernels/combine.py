@@ -20,6 +20,7 @@ from . import specs
 from .dispatch import NvlinkDispatchState
 from .layout import arrival_block
 from .runtime import LaunchPlan, NvlinkRuntime, data_ptr, rows_per_task
+from .scaleout import check_ring
 
 
 def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: int, do_expand: bool,
@@ -39,11 +40,15 @@ def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: 
             f"x {slot.num_bytes} bytes"
         ),
     )
+    grid = runtime.comm_grid(num_sms)
+    if runtime.scaleout is not None:  # staging entries for a slot's rows to a remote source
+        check_ring(runtime.scaleout.ring_bytes, grid, slot.num_bytes, num_rows if do_expand else 1, "combine")
+    masking, transport = runtime.rank_masking, runtime.transport_kind
     kernels = runtime.share.load([
-        specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand, runtime.rank_masking),
-        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, runtime.rank_masking),
+        specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand, masking, transport),
+        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, masking, transport),
     ])  # fmt: skip
-    plan = LaunchPlan(kernels, runtime.comm_grid(num_sms),
+    plan = LaunchPlan(kernels, grid,
                       specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk),
                       arrival_block(num_max_tokens_per_rank))  # fmt: skip
     runtime.plans[key] = plan
@@ -67,6 +72,7 @@ def run_combine(
     do_expand: bool,
     allow_multiple_reduction: bool,
     before_epilogue: Callable[[], None] | None = None,
+    num_qps: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one combine of `runtime`'s buffer on `stream`.
 
@@ -80,6 +86,8 @@ def run_combine(
         recv_src_metadata: `[meta rows, 2 + num_topk]` int32 (from the handle).
         psum_num_recv_tokens_per_rank: `[num_ranks]` int32 (from the handle).
         before_epilogue: called right before the epilogue is launched (it may make `stream` wait).
+        num_qps: the queue pairs (GIN contexts) the kernels' warps take in turn (`0`: every one the
+            buffer has); other transports have none.
 
     Returns:
         combined_x: `[num_tokens, hidden]` BF16.
@@ -107,8 +115,8 @@ def run_combine(
         rank=runtime.rank, rows_per_task=rows_per_task(num_tokens * runtime.num_ranks, num_sms, 2),
         arrival_block=arrival_slots, op_hash=op_hash, error_block=data_ptr(runtime.error_block),
         timeout_ns=runtime.timeout_ns)  # fmt: skip
-    combine_kernel.launch(grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
-                          args=(Opaque(bytes(combine_args)),))  # fmt: skip
+    combine_kernel.launch(grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
+                          args=(Opaque(bytes(combine_args)), Opaque(runtime.links.args("comm", num_qps))))  # fmt: skip
     try:
         # Always, even with no tokens here: the epilogue posts our window credit (credits.cuh)
         epilogue_args = specs.CombineEpilogueArgs(
@@ -124,8 +132,9 @@ def run_combine(
         grid = runtime.grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
         if before_epilogue is not None:
             before_epilogue()
-        epilogue_kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream,
-                               args=(Opaque(bytes(epilogue_args)),), pdl=True)  # fmt: skip
+        epilogue_kernel.launch(grid=(grid + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
+                               args=(Opaque(bytes(epilogue_args)), Opaque(runtime.links.args("epilogue", num_qps))),
+                               pdl=True)  # fmt: skip
     except BaseException as error:
         runtime.fail_between_launches("combine", error)
         raise

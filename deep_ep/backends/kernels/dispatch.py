@@ -25,6 +25,7 @@ from deep_ep.utils.math import align
 from . import specs
 from .layout import arrival_block, tokens_per_group
 from .runtime import LaunchPlan, NvlinkRuntime, data_ptr, rows_per_task
+from .scaleout import check_staging
 
 
 @dataclass
@@ -78,12 +79,15 @@ def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, 
         lambda: f"{num_max_tokens_per_rank} tokens x {runtime.num_ranks} ranks x {record.num_bytes} bytes",
     )
     args_common = (runtime.num_ranks, hidden_bytes, scale_bytes, num_topk)
-    masking = runtime.rank_masking
-    kernel_specs = [specs.dispatch_spec(*args_common, not fresh, masking)]
+    masking, transport = runtime.rank_masking, runtime.transport_kind
+    grid = runtime.comm_grid(num_sms)
+    if runtime.scaleout is not None:  # every token's record staged at its own place for remote destinations
+        check_staging(runtime.scaleout.ring_bytes, num_max_tokens_per_rank * record.num_bytes, "dispatch")
+    kernel_specs = [specs.dispatch_spec(*args_common, not fresh, masking, transport)]
     if fresh and do_expand:
-        kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common, masking))
-    kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand, masking))
-    plan = LaunchPlan(runtime.share.load(kernel_specs), runtime.comm_grid(num_sms),
+        kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common, masking, transport))
+    kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand, masking, transport))
+    plan = LaunchPlan(runtime.share.load(kernel_specs), grid,
                       specs.op_hash("dispatch", num_max_tokens_per_rank, record.num_bytes, num_topk),
                       arrival_block(num_max_tokens_per_rank))  # fmt: skip
     runtime.plans[key] = plan
@@ -110,6 +114,7 @@ def run_dispatch(
     cached_num_recv_tokens_per_expert: torch.Tensor | None = None,
     cached_recv_src_metadata: torch.Tensor | None = None,
     before_epilogue: Callable[[], None] | None = None,
+    num_qps: int = 0,
 ) -> dict:
     """Run one dispatch of `runtime`'s buffer on `stream`; returns the output tensors and the new handle state.
 
@@ -123,6 +128,8 @@ def run_dispatch(
         cumulative_stats: `[num_local_experts]` int32, incremented in place, or None.
         cached: the state of a previous dispatch with the same routing, or None.
         before_epilogue: called right before the epilogue is launched (it may make `stream` wait).
+        num_qps: the queue pairs (GIN contexts) the kernels' warps take in turn (`0`: every one the
+            buffer has); other transports have none.
 
     Returns:
         A dict of `recv_x`, `recv_scales`, `recv_topk_idx`, `recv_topk_weights`,
@@ -195,9 +202,10 @@ def run_dispatch(
         counts_ready=data_ptr(runtime.counts_ready) if counts_sequence else 0,
         counts_sequence=counts_sequence, counts_before_sends=int(not runtime.mask_on_timeout))  # fmt: skip
     # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
-    # makes the driver guarantee it (or refuse), whatever else holds SMs
-    dispatch_kernel.launch(grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,
-                           args=(Opaque(bytes(dispatch_args)),), cooperative=fresh)  # fmt: skip
+    # makes the driver guarantee it (or refuse), whatever else holds SMs (an emulated NIC's CTA too)
+    dispatch_kernel.launch(grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
+                           args=(Opaque(bytes(dispatch_args)), Opaque(runtime.links.args("comm", num_qps))),
+                           cooperative=fresh)  # fmt: skip
 
     rejected = False
     try:
@@ -239,7 +247,7 @@ def run_dispatch(
             _launch_dispatch_epilogue(runtime, epilogue_kernel, stream, x, x_scales, state, outputs,
                                       recv_src_metadata, num_recv_per_expert, expand_scratch, cached,
                                       num_max_tokens_per_rank, num_local_experts, expert_alignment,
-                                      do_zero_padding, arrival_slots, op_hash, num_sms)  # fmt: skip
+                                      do_zero_padding, arrival_slots, op_hash, num_sms, num_qps)  # fmt: skip
     except BaseException as error:
         runtime.fail_between_launches("dispatch", error)
         raise
@@ -269,7 +277,7 @@ def _launch_dispatch_epilogue(
     x_scales: torch.Tensor | None, state: NvlinkDispatchState, outputs: dict, recv_src_metadata: torch.Tensor,
     num_recv_per_expert: torch.Tensor, expand_scratch: torch.Tensor | None, cached: NvlinkDispatchState | None,
     num_max_tokens_per_rank: int, num_local_experts: int, expert_alignment: int, do_zero_padding: bool,
-    arrival_slots: int, op_hash: int, num_busy_sms: int,
+    arrival_slots: int, op_hash: int, num_busy_sms: int, num_qps: int,
 ) -> None:  # fmt: skip
     """Launch the dispatch epilogue: received records into the outputs in the requested layout."""
     epilogue_args = specs.DispatchEpilogueArgs(
@@ -286,9 +294,9 @@ def _launch_dispatch_epilogue(
         expand_rank_in_expert=data_ptr(expand_scratch), is_cached=int(cached is not None),
         do_zero_padding=int(do_zero_padding), arrival_block=arrival_slots, op_hash=op_hash,
         error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
-    grid = runtime.grid_for_rows(state.num_meta_rows, num_busy_sms)
-    kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream, args=(Opaque(bytes(epilogue_args)),),
-                  pdl=True)  # fmt: skip
+    grid = runtime.grid_for_rows(state.num_meta_rows, num_busy_sms) + runtime.nic_ctas
+    kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream,
+                  args=(Opaque(bytes(epilogue_args)), Opaque(runtime.links.args("epilogue", num_qps))), pdl=True)  # fmt: skip
 
 
 def _drain_dispatch(
@@ -301,5 +309,5 @@ def _drain_dispatch(
         window_base=runtime.windows.ptr, num_max_tokens_per_rank=num_max_tokens_per_rank, rank=runtime.rank,
         num_experts_per_rank=num_local_experts, expert_alignment=1, drain_only=1, arrival_block=arrival_slots,
         op_hash=op_hash, error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
-    kernel.launch(grid=(1,), block=(specs.NUM_THREADS,), stream=stream, args=(Opaque(bytes(drain_args)),),
-                  pdl=True)  # fmt: skip
+    kernel.launch(grid=(1 + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
+                  args=(Opaque(bytes(drain_args)), Opaque(runtime.links.args("epilogue"))), pdl=True)  # fmt: skip

@@ -31,6 +31,14 @@ PEER_MESSAGE_BYTES = 256
 # Rank masking's automatic mode: int32 flag (an expired wait masks its peer), then the uint64 of peers so masked
 MASK_ON_TIMEOUT_OFFSET = PEER_MESSAGE_OFFSET + MAX_RANKS * PEER_MESSAGE_BYTES
 TIMED_OUT_RANKS_OFFSET = MASK_ON_TIMEOUT_OFFSET + 8
+# Peers outside the scale-up domain (scaleout.cuh): the scale-out region's offset and its staging
+# ring's bytes (int64 each, 0 without one), ranks per scale-up domain (int32), fault forwarded (int32),
+# the cap on a combine ring's entries per warp
+SCALEOUT_REGION_OFFSET = TIMED_OUT_RANKS_OFFSET + 8
+SCALEOUT_RING_BYTES_OFFSET = SCALEOUT_REGION_OFFSET + 8
+NUM_SCALEUP_RANKS_OFFSET = SCALEOUT_RING_BYTES_OFFSET + 8
+FAULT_FORWARDED_OFFSET = NUM_SCALEUP_RANKS_OFFSET + 4
+STAGING_ENTRIES_CAP_OFFSET = FAULT_FORWARDED_OFFSET + 4  # int32: a combine ring's entries per warp at most (0: all)
 RECV_EXPERT_COUNT_OFFSET = 128 * 1024
 ARRIVAL_OFFSET = 384 * 1024
 MAX_ARRIVAL_BLOCKS = 512  # arrival counters per source rank
@@ -39,6 +47,18 @@ MAX_ARRIVAL_BLOCKS = 512  # arrival counters per source rank
 MAX_GROUP_INTS = 4096
 MAX_GROUPS_PER_RANK = 256  # a warp scans one destination's groups with 8 per lane
 DISPATCH_SCRATCH_INTS = 32 + MAX_CHANNELS + MAX_GROUP_INTS + MAX_RANKS * MAX_LOCAL_EXPERTS
+
+# The scale-out region (scaleout.cuh), offsets inside it: the remote peers' 64-bit words (credits,
+# op signatures, faults, barriers, then per (source, block) arrival counters), the per-expert counts
+# staged for remote destinations, then the staging ring
+REMOTE_CREDIT_OFFSET = 0
+REMOTE_SIGNATURE_OFFSET = MAX_RANKS * 8
+REMOTE_FAULT_OFFSET = 2 * MAX_RANKS * 8
+REMOTE_BARRIER_OFFSET = 3 * MAX_RANKS * 8
+BARRIER_PASSED_OFFSET = 4 * MAX_RANKS * 8
+REMOTE_ARRIVAL_OFFSET = 4096
+COUNT_STAGING_OFFSET = REMOTE_ARRIVAL_OFFSET + MAX_RANKS * MAX_ARRIVAL_BLOCKS * 8
+STAGING_RING_OFFSET = -(-(COUNT_STAGING_OFFSET + MAX_RANKS * MAX_LOCAL_EXPERTS * 4) // (64 << 10)) * (64 << 10)
 
 # Error block words (int64) and the phases a device wait can fail in (fault.cuh). `rank` is the rank
 # whose wait expired, `reporter` the rank that owns the block; the `input_*` words name the first
@@ -58,6 +78,7 @@ PHASES = {
     8: "operation mismatch (the ranks ran different sequences of operations)",
     9: "epilogue entry (peer's operation signature)",
     10: "host error (a rank raised inside an operation or rejected its input)",
+    11: "transport deadline (the emulated NIC or a flush of the puts passed it)",
 }
 HOST_ERROR_PHASE = 10
 

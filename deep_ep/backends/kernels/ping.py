@@ -15,7 +15,7 @@ from deep_ep.jit import Opaque
 from deep_ep.records import WORKSPACE_BYTES
 
 from . import specs
-from .layout import PEER_WINDOWS_OFFSET
+from .links import EmulatedLinks, LsaLinks, NicOptions
 from .runtime import NvlinkRuntime, data_ptr
 
 
@@ -24,24 +24,8 @@ def ping_pattern(rank: int, num_bytes: int, device: torch.device) -> torch.Tenso
     return ((torch.arange(num_bytes, device=device) * 131 + rank * 7 + 1) % 251).to(torch.uint8)
 
 
-PING_MISTAKES = {None: 0, "no_flush": 1, "signal_first": 2, "split_contexts": 3}  # transport_ping.cuh
-
-
-def _emulated_args(runtime: NvlinkRuntime, strict: bool, timeout_s: float, delay_us: float,
-                   seed: int) -> tuple[specs.EmulatedTransportArgs, list[torch.Tensor]]:  # fmt: skip
-    """The emulated NIC's arguments and the device memory they point to (the strict NIC's queues,
-    zeroed; the caller keeps them alive until the ping is over)."""
-    capacity = 4 * runtime.num_ranks
-    keep = []
-    if strict:
-        device = runtime.windows.bytes.device
-        keep = [torch.zeros(specs.NIC_CONTEXTS * capacity * 4, dtype=torch.int64, device=device),
-                torch.zeros(specs.NIC_WORDS, dtype=torch.int32, device=device)]  # fmt: skip
-    args = specs.EmulatedTransportArgs(
-        peer_windows=runtime.windows.ptr + PEER_WINDOWS_OFFSET, queue=data_ptr(keep[0]) if strict else 0,
-        words=data_ptr(keep[1]) if strict else 0, capacity=capacity, rank=runtime.rank, context=0,
-        seed=seed & 0xFFFFFFFF, delay_ns=int(delay_us * 1e3), timeout_ns=int(timeout_s * 1e9))  # fmt: skip
-    return args, keep
+# The protocol mistakes the emulated NIC makes on request (transport/emulated.cuh)
+PING_MISTAKES = specs.NIC_MISTAKES
 
 
 def transport_ping(runtime: NvlinkRuntime, num_bytes: int = 64 << 10, timeout_s: float = 5.0, transport: str = "lsa",
@@ -75,36 +59,38 @@ def transport_ping(runtime: NvlinkRuntime, num_bytes: int = 64 << 10, timeout_s:
     if mistake not in PING_MISTAKES or (mistake is not None and transport == "lsa"):
         raise ValueError(f"transport_ping: `mistake` must be one of {list(PING_MISTAKES)} (not None only with "
                          f"the emulated NIC), got {mistake!r} with {transport!r}")  # fmt: skip
+    if transport == "lsa" and runtime.scaleout is not None:
+        raise ValueError("transport_ping: `transport`='lsa' reaches one scale-up domain, and this buffer has remote "
+                         "peers; ping them through the emulated NIC")  # fmt: skip
     num_ranks, rank = runtime.num_ranks, runtime.rank
     src_offset = WORKSPACE_BYTES
     dst_offset = src_offset + num_bytes
     signal_offset = dst_offset + num_ranks * num_bytes
     snapshot_offset = signal_offset + -(-8 * num_ranks // 16) * 16
-    if snapshot_offset + num_ranks * num_bytes > runtime.windows.num_bytes:
+    if snapshot_offset + num_ranks * num_bytes > runtime.data_bytes:
         raise ValueError(f"transport_ping: {num_bytes} bytes per peer do not fit the window of "
-                         f"{runtime.windows.num_bytes} bytes")  # fmt: skip
+                         f"{runtime.data_bytes} bytes")  # fmt: skip
     stream = torch.cuda.current_stream()
     window = runtime.windows.bytes
     window[src_offset:dst_offset].copy_(ping_pattern(rank, num_bytes, window.device))
     window[dst_offset : snapshot_offset + num_ranks * num_bytes].zero_()
     status = torch.zeros(num_ranks, dtype=torch.int32, device=window.device)
     strict = transport == "emulated-strict"
-    if transport == "lsa":
-        transport_args, keep = specs.LsaTransportArgs(peer_windows=runtime.windows.ptr + PEER_WINDOWS_OFFSET,
-                                                      rank=rank), []  # fmt: skip
-    else:
-        transport_args, keep = _emulated_args(runtime, strict, timeout_s, delay_us, seed)
+    links = LsaLinks() if transport == "lsa" else EmulatedLinks(
+        NicOptions(strict=strict, delay_us=delay_us, seed=seed, mistake=mistake), num_ranks, window.device,
+        int(timeout_s * 1e9))  # fmt: skip
+    links.attach(runtime.windows)
     # Every rank's signal words and blocks are zero and its source written before any peer puts or signals
     runtime.barrier(stream)
     (kernel,) = runtime.share.load([specs.transport_ping_spec(transport)])
     ping_args = specs.TransportPingArgs(
         src_offset=src_offset, dst_offset=dst_offset, num_bytes=num_bytes, signal_offset=signal_offset,
         snapshot_offset=snapshot_offset, round=1, timeout_ns=int(timeout_s * 1e9), own_window=runtime.windows.ptr,
-        rank=rank, num_ranks=num_ranks, mistake=PING_MISTAKES[mistake], status=data_ptr(status))  # fmt: skip
-    kernel.launch(grid=(2 if strict else 1,), block=(256,), stream=stream,
-                  args=(Opaque(bytes(transport_args)), Opaque(bytes(ping_args))))  # fmt: skip
+        rank=rank, num_ranks=num_ranks, status=data_ptr(status))  # fmt: skip
+    kernel.launch(grid=(1 + links.nic_ctas,), block=(256,), stream=stream,
+                  args=(Opaque(links.args("comm")), Opaque(bytes(ping_args))))  # fmt: skip
     runtime.wait(stream, "the transport ping")
-    if strict and (nic_status := host_list(keep[1])[-1]) != 0:
+    if strict and (nic_status := links.nic_status("comm")) != 0:
         what = "passed its deadline" if nic_status == -1 else "ran out of queue slots"
         raise RuntimeError(f"transport_ping: the emulated NIC of rank {rank} {what}")
     results = host_list(status)

@@ -1,8 +1,9 @@
 """The runtime of one buffer on the kernels backend: its resources, host waits and device faults.
 
-One `NvlinkRuntime` per `ElasticBuffer` whose ranks reach each other's windows by loads and stores
-(`deep_ep.backends.kernels.transport`). It takes the windows (`PeerWindows`) and the part of the GPU
-the rank's kernels may use (`DeviceShare`), owns the host-mapped error block, the count blocks and
+One `NvlinkRuntime` per `ElasticBuffer` on the kernels backend (`deep_ep.backends.kernels.transport`).
+It takes the windows (`PeerWindows`), the part of the GPU the rank's kernels may use (`DeviceShare`)
+and its kernels' transport arguments (`links.KernelLinks`; with peers outside the scale-up domain the
+window gets a scale-out region, `scaleout`), owns the host-mapped error block, the count blocks and
 the dispatch scratch, waits on the host with a deadline, turns what a kernel recorded in the error
 block into exceptions, and runs the barrier. The launch sequences of dispatch and combine are
 `deep_ep.backends.kernels.dispatch` and `deep_ep.backends.kernels.combine`.
@@ -26,7 +27,7 @@ import torch
 
 from deep_ep.errors import EPError, EPOperationMismatchError, EPPeerError, EPTimeoutError
 from deep_ep.host_reads import wait_for_stream
-from deep_ep.jit import I32, U64
+from deep_ep.jit import I32, U64, Opaque
 from deep_ep.records import WORKSPACE_BYTES
 
 from . import specs
@@ -41,14 +42,18 @@ from .layout import (
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
     NUM_RANKS_OFFSET,
+    NUM_SCALEUP_RANKS_OFFSET,
     PEER_MESSAGE_BYTES,
     PEER_MESSAGE_OFFSET,
     PEER_WINDOWS_OFFSET,
     PHASES,
     RANK_OFFSET,
+    SCALEOUT_REGION_OFFSET,
+    STAGING_ENTRIES_CAP_OFFSET,
     TIMED_OUT_RANKS_OFFSET,
 )
-from .transport import DeviceShare, PeerWindows
+from .scaleout import ScaleoutRegion, ring_entry_bytes, scaleout_region
+from .transport import Transport
 
 # How long a host wait busy-polls before it starts sleeping between polls
 _SPIN_S = 0.05
@@ -85,17 +90,26 @@ class LaunchPlan:
     arrival_slots: int
 
 
-def describe_fault(words: dict[str, int], timeout_s: float) -> str:
-    """The text of a device-side failure recorded in an error block (fault.cuh)."""
+def describe_fault(words: dict[str, int], timeout_s: float, num_ranks_per_node: int | None = None) -> str:
+    """The text of a device-side failure recorded in an error block (fault.cuh); with nodes of
+    `num_ranks_per_node` ranks (a group across scale-up domains) it says whose node each rank is."""
+
+    def who(rank: int) -> str:
+        if num_ranks_per_node is None or rank < 0:
+            return f"rank {rank}"
+        return f"rank {rank} (node {rank // num_ranks_per_node}, local rank {rank % num_ranks_per_node})"
+
     phase = PHASES.get(words["phase"], f"phase {words['phase']}")
     rank, peer = words["rank"], words["peer"]
     if words["phase"] == _OP_MISMATCH_PHASE:
-        text = f"rank {peer} ran a different operation than rank {rank}"
+        text = f"{who(peer)} ran a different operation than rank {rank}"
         if words["channel"] >= 0:  # recorded where it was found (a peer's posted fault carries no words)
             text += f" (signature {words['observed'] & 0xFFFFFFFF:#x}, expected {words['expected'] & 0xFFFFFFFF:#x})"
         text += ": the ranks' sequences of dispatches and combines diverged"
+    elif rank == peer and words["phase"] != HOST_ERROR_PHASE:
+        text = f"{phase} timed out on {who(rank)} after {timeout_s:g} s"
     else:
-        text = f"{phase} timed out on rank {rank} waiting for rank {peer} after {timeout_s:g} s"
+        text = f"{phase} timed out on {who(rank)} waiting for {who(peer)} after {timeout_s:g} s"
         if words["channel"] >= 0:
             text += f" (channel {words['channel']}, counter {words['observed']}, expected >= {words['expected']})"
     if words["status"] == ERROR_REPORTED_BY_PEER:
@@ -144,21 +158,29 @@ class NvlinkRuntime:
     """The windows, error block, count blocks and waits of one buffer.
 
     Arguments:
-        open_windows: opens every rank's window of this buffer (collective); called once this rank's
-            own memory is allocated (an allocation of pinned or device memory while a peer's kernel
-            runs would keep them apart: see `deep_ep.loopback`).
-        share: the part of the GPU this rank's kernels may use.
+        transport: how this rank reaches its peers: its share of the GPU, its kernels' transport
+            arguments, and the collective call that opens the windows (made once this rank's own
+            memory is allocated: an allocation of pinned or device memory while a peer's kernel runs
+            would keep them apart, see `deep_ep.loopback`).
+        num_bytes: the window's workspace and data region (the buffer size); with remote peers the
+            window also holds a scale-out region.
         num_gpu_timeout_secs: deadline of every device-side wait.
         num_cpu_timeout_secs: deadline of every host-side wait.
         rank_masking: whether the kernels are the ones that honour masked ranks (rank_mask.cuh).
         mask_on_timeout: rank masking's automatic mode: a peer whose wait expires is masked.
+        hidden, num_topk: the shape the buffer was sized for (0: not given), which sizes the staging
+            ring for remote peers.
+        ring_entries_per_warp: the staging ring's entries per warp (default: the top-k, at least 2).
     """
 
     def __init__(
-        self, open_windows: Callable[[], PeerWindows], share: DeviceShare, num_gpu_timeout_secs: float,
-        num_cpu_timeout_secs: float, rank_masking: bool = False, mask_on_timeout: bool = False,
+        self, transport: Transport, num_bytes: int, num_gpu_timeout_secs: float, num_cpu_timeout_secs: float,
+        rank_masking: bool = False, mask_on_timeout: bool = False, hidden: int = 0, num_topk: int = 0,
+        ring_entries_per_warp: int | None = None,
     ) -> None:  # fmt: skip
+        share = transport.share
         self.share = share
+        self.data_bytes = num_bytes
         self.rank_masking = rank_masking
         self.mask_on_timeout = mask_on_timeout
         self._mask_words: list[torch.Tensor] = []  # pinned sources of mask writes, alive until copied
@@ -190,21 +212,42 @@ class NvlinkRuntime:
         self.plans: dict[tuple, LaunchPlan] = {}
         self.dead_reason: str | None = None
         self._dead_error: type[EPError] = EPError
-        self.windows = open_windows()
+        if transport.num_ranks > MAX_RANKS:
+            raise ValueError(f"NVLink kernels support at most {MAX_RANKS} ranks, the group has {transport.num_ranks}")
+        # Peers outside the scale-up domain: a scale-out region after the data region (scaleout.cuh),
+        # whose staging ring gives each warp of the largest grid its entries
+        self.num_scaleup_ranks = transport.num_scaleup_ranks
+        self.scaleout: ScaleoutRegion | None = None
+        window_bytes = num_bytes
+        self._ring_entries_cap = ring_entries_per_warp or 0
+        if transport.has_remote_peers:
+            entries = ring_entries_per_warp if ring_entries_per_warp is not None else max(2, num_topk or 8)
+            self.scaleout = scaleout_region(num_bytes, transport.num_ranks, share.num_sms, entries,
+                                            ring_entry_bytes(hidden, num_topk))  # fmt: skip
+            window_bytes = self.scaleout.offset + self.scaleout.num_bytes
+        # The emulated NIC drains after every wait of its kernel: its deadline is longer than theirs
+        self.links = transport.make_links(4 * self.timeout_ns + 10**10)
+        self.windows = transport.open_windows(window_bytes)
         self.rank, self.num_ranks = self.windows.rank, self.windows.num_ranks
-        if self.num_ranks > MAX_RANKS:
-            self.windows.destroy()
-            raise ValueError(f"NVLink kernels support at most {MAX_RANKS} ranks, the group has {self.num_ranks}")
+        self.links.attach(self.windows)
+        self.transport_kind = self.links.kind
+        self.nic_ctas = self.links.nic_ctas
         self._write_workspace()
         # Loaded with the buffer, on every rank at once (the last step before its barrier): loading
         # it when a rank fails could wait for the peers' kernels, which wait for that rank
-        (self._post_fault,) = share.load([specs.post_fault_spec()])
+        (self._post_fault,) = share.load([specs.post_fault_spec(self.transport_kind)])
+
+    def is_remote(self, peer: int) -> bool:
+        """Whether `peer` is outside this rank's scale-up domain (reached through the transport)."""
+        return peer // self.num_scaleup_ranks != self.rank // self.num_scaleup_ranks
 
     def _write_workspace(self) -> None:
-        """This rank, the number of ranks and every rank's window base, into our window's workspace
-        (fault.cuh and comm.cuh read them there)."""
+        """This rank, the number of ranks, every rank's window base (none for a remote peer: the
+        kernels reach it only through the transport) and the scale-out region, into our window's
+        workspace (fault.cuh, comm.cuh and scaleout.cuh read them there)."""
         world = torch.tensor([self.rank, self.num_ranks], dtype=torch.int32).view(torch.uint8)
-        peers = torch.tensor(self.windows.peer_ptrs, dtype=torch.int64).view(torch.uint8)
+        bases = [0 if self.is_remote(peer) else ptr for peer, ptr in enumerate(self.windows.peer_ptrs)]
+        peers = torch.tensor(bases, dtype=torch.int64).view(torch.uint8)
         window = self.windows.bytes
         window[RANK_OFFSET : NUM_RANKS_OFFSET + 4].copy_(world)
         window[PEER_WINDOWS_OFFSET : PEER_WINDOWS_OFFSET + peers.numel()].copy_(peers)
@@ -212,6 +255,12 @@ class NvlinkRuntime:
             window[MASK_ON_TIMEOUT_OFFSET : MASK_ON_TIMEOUT_OFFSET + 4].copy_(
                 torch.tensor([1], dtype=torch.int32).view(torch.uint8)
             )
+        if self.scaleout is not None:
+            region = torch.tensor([self.scaleout.offset, self.scaleout.ring_bytes], dtype=torch.int64)
+            window[SCALEOUT_REGION_OFFSET : SCALEOUT_REGION_OFFSET + 16].copy_(region.view(torch.uint8))
+            for offset, value in ((NUM_SCALEUP_RANKS_OFFSET, self.num_scaleup_ranks),
+                                  (STAGING_ENTRIES_CAP_OFFSET, self._ring_entries_cap)):  # fmt: skip
+                window[offset : offset + 4].copy_(torch.tensor([value], dtype=torch.int32).view(torch.uint8))
         torch.cuda.current_stream().synchronize()
 
     # ---------------------------------------------------------------- faults
@@ -226,7 +275,8 @@ class NvlinkRuntime:
                 self.dead_reason = describe_host_error(words["rank"], self._peer_message(words["rank"]))
                 self._dead_error = EPPeerError
             else:
-                self.dead_reason = describe_fault(words, self.timeout_ns / 1e9)
+                per_node = self.num_scaleup_ranks if self.scaleout is not None else None
+                self.dead_reason = describe_fault(words, self.timeout_ns / 1e9, per_node)
                 self._dead_error = EPOperationMismatchError if words["phase"] == _OP_MISMATCH_PHASE else EPTimeoutError
         if self.dead_reason is not None:
             raise self._dead_error(self.dead_reason)
@@ -253,8 +303,9 @@ class NvlinkRuntime:
         self._fault_message.zero_()
         self._fault_message[: len(encoded)].copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
         # Its own stream: the current one may hold work that waits for the peers
-        self._post_fault.launch(grid=(1,), block=(32,), stream=self._fault_stream, args=(
-            U64(self.windows.ptr), U64(data_ptr(self.error_block)), U64(data_ptr(self._fault_message))))  # fmt: skip
+        self._post_fault.launch(grid=(1 + self.nic_ctas,), block=(32,), stream=self._fault_stream, args=(
+            U64(self.windows.ptr), U64(data_ptr(self.error_block)), U64(data_ptr(self._fault_message)),
+            U64(self.timeout_ns), Opaque(self.links.args("fault"))))  # fmt: skip
         self.dead_reason = (
             f"this rank raised {text}, and stopped the buffer on every rank; the buffer is unusable: destroy it "
             "and create a new one"
@@ -344,19 +395,20 @@ class NvlinkRuntime:
     # ---------------------------------------------------------------- grids
 
     def comm_grid(self, num_sms: int) -> int:
-        """CTAs of a communication kernel: at most the share, less one SM for the epilogue when the
-        two must fit it together."""
-        limit = self.num_device_sms - 1 if self.share.exclusive else self.num_device_sms
+        """Working CTAs of a communication kernel: at most the share, less one SM for the epilogue
+        when the two must fit it together (and less their emulated NICs' CTAs, which each launch
+        adds: `nic_ctas`)."""
+        limit = self.num_device_sms - 1 - 2 * self.nic_ctas if self.share.exclusive else self.num_device_sms
         return max(1, min(num_sms, limit))
 
     def grid_for_rows(self, num_rows: int, num_busy_sms: int) -> int:
-        """CTAs for an epilogue over `num_rows` rows: one warp per row, at most one CTA per SM, and
-        only the SMs the running communication kernel (`num_busy_sms`) leaves free. An epilogue CTA
-        cannot share an SM with a communication CTA (registers), so one placed behind it would hold
-        its rows, spread over the whole batch, until the transfer ends. With an exclusive share, the
-        free SMs are all there is."""
+        """Working CTAs for an epilogue over `num_rows` rows: one warp per row, at most one CTA per
+        SM, and only the SMs the running communication kernel (`num_busy_sms` working CTAs, and its
+        NIC's) leaves free. An epilogue CTA cannot share an SM with a communication CTA
+        (registers), so one placed behind it would hold its rows, spread over the whole batch, until
+        the transfer ends. With an exclusive share, the free SMs are all there is."""
         rows_per_cta = specs.NUM_THREADS // 32
-        num_free_sms = self.num_device_sms - num_busy_sms
+        num_free_sms = self.num_device_sms - num_busy_sms - 2 * self.nic_ctas
         if self.share.exclusive or num_free_sms >= self.num_device_sms // 4:
             num_sms = max(1, num_free_sms)
         else:
@@ -390,9 +442,10 @@ class NvlinkRuntime:
 
     def barrier(self, stream: torch.cuda.Stream) -> None:
         self.check_error()
-        (kernel,) = self.share.load([specs.barrier_spec(self.num_ranks)])
-        kernel.launch(grid=(1,), block=(128,), stream=stream, args=(
-            U64(self.windows.ptr), I32(self.rank), U64(data_ptr(self.error_block)), U64(self.timeout_ns)))  # fmt: skip
+        (kernel,) = self.share.load([specs.barrier_spec(self.num_ranks, self.transport_kind)])
+        kernel.launch(grid=(1 + self.nic_ctas,), block=(128,), stream=stream, args=(
+            U64(self.windows.ptr), I32(self.rank), U64(data_ptr(self.error_block)), U64(self.timeout_ns),
+            Opaque(self.links.args("comm"))))  # fmt: skip
 
     # ---------------------------------------------------------------- capacity
 
@@ -400,9 +453,9 @@ class NvlinkRuntime:
         """Raise `ValueError` unless the window holds the workspace and `num_region_bytes` of `what`'s
         records or slots (`layout()` says how they were counted; only called to word the error)."""
         needed = WORKSPACE_BYTES + num_region_bytes
-        if needed > self.windows.num_bytes:
+        if needed > self.data_bytes:
             raise ValueError(
-                f"{what}: the buffer holds {self.windows.num_bytes} bytes per rank but this call needs {needed} "
+                f"{what}: the buffer holds {self.data_bytes} bytes per rank but this call needs {needed} "
                 f"({layout()}); create the buffer with ElasticBuffer.get_buffer_size_hint(...) for this shape (a "
                 "buffer sized with `use_fp8_dispatch`=True holds FP8 dispatches, not BF16 ones)"
             )
@@ -430,8 +483,11 @@ def peer_store(runtime: NvlinkRuntime, stream: torch.cuda.Stream, src: torch.Ten
 
     Every rank launching it at once loads the links in both directions, as dispatch and combine do.
     """
-    if WORKSPACE_BYTES + src.numel() > runtime.windows.num_bytes:
-        raise ValueError(f"peer_store: {src.numel()} bytes do not fit the window ({runtime.windows.num_bytes} bytes)")
+    if runtime.scaleout is not None:
+        raise ValueError("peer_store: the speed-of-light probe stores into every peer's window, and this buffer has "
+                         "peers outside its scale-up domain")  # fmt: skip
+    if WORKSPACE_BYTES + src.numel() > runtime.data_bytes:
+        raise ValueError(f"peer_store: {src.numel()} bytes do not fit the window ({runtime.data_bytes} bytes)")
     (kernel,) = runtime.share.load([specs.peer_store_spec()])
     kernel.launch(
         grid=(num_sms,), block=(specs.NUM_THREADS,), stream=stream,

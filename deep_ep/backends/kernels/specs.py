@@ -4,8 +4,10 @@ Each function returns a loaded `deep_ep.jit` kernel for one specialisation. Comp
 are the shape of the problem that never changes between steps (ranks, hidden bytes, scale bytes,
 top-k, rows per combine slot); token counts are runtime arguments, so a new batch size never
 recompiles. `rank_masking` specialises the communication kernels for a buffer with rank masking
-(rank_mask.cuh); without it every test of the mask folds away. `warmup_specs()` lists the
-specialisations the tests and benchmarks use, for `deep-ep jit warmup` and for the CPU compile tests.
+(rank_mask.cuh); without it every test of the mask folds away. `transport` is the transport the
+kernels reach remote peers through (docs/transport.md: `TRANSPORTS`); over `'lsa'` there are none
+and every test of the scale-out path folds away. `warmup_specs()` lists the specialisations the
+tests and benchmarks use, for `deep-ep jit warmup` and for the CPU compile tests.
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ class LsaTransportArgs(ctypes.Structure):
 EMULATED_TRANSPORTS = ("emulated-eager", "emulated-strict")
 NIC_CONTEXTS = 2  # kNicContexts
 NIC_WORDS = 2 * NIC_CONTEXTS + 2  # kNicWords; the status is the last one
+# `Emulated::Args::mistake` (NicMistake): the protocol broken on purpose, for the tests that show the
+# strict NIC catches it
+NIC_MISTAKES = {None: 0, "no_flush": 1, "signal_first": 2, "split_contexts": 3}
 
 
 class EmulatedTransportArgs(ctypes.Structure):
@@ -159,10 +164,38 @@ class EmulatedTransportArgs(ctypes.Structure):
         ("capacity", ctypes.c_int),
         ("rank", ctypes.c_int),
         ("context", ctypes.c_int),
+        ("mistake", ctypes.c_int),
         ("seed", ctypes.c_uint32),
         ("delay_ns", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
     ]
+
+
+# NCCL's GIN backends, compiled one at a time (every backend at once costs registers and a stack)
+GIN_BACKENDS = ("PROXY", "GDAKI", "GPI", "EFA_GDA")
+# The transports of the communication kernels and their epilogues (docs/transport.md): LSA only (one
+# scale-up domain), the emulated NIC of virtual nodes, or NCCL GIN built for one of its backends
+TRANSPORTS = ("lsa", *EMULATED_TRANSPORTS, *(f"gin-{b.lower()}" for b in GIN_BACKENDS))
+
+
+def transport_type(transport: str) -> str:
+    """The C++ type of `transport` (one of `TRANSPORTS`), the kernels' `Transport` template argument."""
+    if transport == "lsa":
+        return "deep_ep::transport::Lsa"
+    if transport in EMULATED_TRANSPORTS:
+        return f"deep_ep::transport::Emulated<{'true' if transport == 'emulated-strict' else 'false'}>"
+    if transport in TRANSPORTS:
+        return "deep_ep::transport::Gin"
+    raise ValueError(f"kernel specs: `transport` must be one of {TRANSPORTS}, got {transport!r}")
+
+
+def _with_transport(spec: KernelSpec, transport: str) -> KernelSpec:
+    """`spec` built for `transport`: a GIN one against the NCCL headers, with only its backend on."""
+    if not transport.startswith("gin-"):
+        return spec
+    backend = transport.removeprefix("gin-").upper()
+    flags = ("-DDEEP_EP_WITH_GIN=1", *(f"-DNCCL_GIN_{b}_ENABLE={int(b == backend)}" for b in GIN_BACKENDS))
+    return dataclasses.replace(spec, use_nccl=True, extra_flags=flags)
 
 
 class TransportPingArgs(ctypes.Structure):
@@ -179,7 +212,6 @@ class TransportPingArgs(ctypes.Structure):
         ("own_window", ctypes.c_uint64),
         ("rank", ctypes.c_int),
         ("num_ranks", ctypes.c_int),
-        ("mistake", ctypes.c_int),
         ("status", ctypes.c_uint64),
     ]
 
@@ -201,64 +233,73 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
+def _transport_spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], transport: str) -> KernelSpec:
+    """A kernel templated on its transport (the last template argument)."""
+    name = transport_type(transport)
+    return _with_transport(_spec(kernel, (*template_args, name), (*param_types, f"{name}::Args")), transport)
+
+
 @functools.cache
 def dispatch_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, cached: bool,
-                  rank_masking: bool = False) -> KernelSpec:  # fmt: skip
-    return _spec(
+                  rank_masking: bool = False, transport: str = "lsa") -> KernelSpec:  # fmt: skip
+    return _transport_spec(
         "dispatch",
         (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(cached), _bool(rank_masking)),
-        ("deep_ep::DispatchArgs",),
-    )
+        ("deep_ep::DispatchArgs",), transport,
+    )  # fmt: skip
 
 
 @functools.cache
 def dispatch_expand_rank_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int,
-                              rank_masking: bool = False) -> KernelSpec:  # fmt: skip
-    return _spec(
+                              rank_masking: bool = False, transport: str = "lsa") -> KernelSpec:  # fmt: skip
+    """It sends nothing: the transport only says where remote sources' arrival counters are."""
+    spec = _spec(
         "dispatch_expand_rank",
-        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_EXPAND_RANK_THREADS, _bool(rank_masking)),
+        (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_EXPAND_RANK_THREADS, _bool(rank_masking),
+         transport_type(transport)),
         ("char*", "int", "int", "int", "int*", "int", "int", "int64_t*", "uint64_t"),
-    )
+    )  # fmt: skip
+    return _with_transport(spec, transport)
 
 
 @functools.cache
 def dispatch_epilogue_spec(num_ranks: int, hidden_bytes: int, scale_bytes: int, num_topk: int, expand: bool,
-                           rank_masking: bool = False) -> KernelSpec:  # fmt: skip
-    return _spec(
+                           rank_masking: bool = False, transport: str = "lsa") -> KernelSpec:  # fmt: skip
+    return _transport_spec(
         "dispatch_epilogue",
         (num_ranks, hidden_bytes, scale_bytes, num_topk, NUM_THREADS, _bool(expand), _bool(rank_masking)),
-        ("deep_ep::DispatchEpilogueArgs",),
-    )
+        ("deep_ep::DispatchEpilogueArgs",), transport,
+    )  # fmt: skip
 
 
 @functools.cache
 def combine_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int, expand: bool,
-                 rank_masking: bool = False) -> KernelSpec:  # fmt: skip
-    return _spec(
+                 rank_masking: bool = False, transport: str = "lsa") -> KernelSpec:  # fmt: skip
+    return _transport_spec(
         "combine",
         (num_ranks, hidden, num_topk, num_rows, NUM_THREADS, _bool(expand), _bool(rank_masking)),
-        ("deep_ep::CombineArgs",),
-    )
+        ("deep_ep::CombineArgs",), transport,
+    )  # fmt: skip
 
 
 @functools.cache
 def combine_epilogue_spec(num_ranks: int, hidden: int, num_topk: int, num_rows: int,
-                          rank_masking: bool = False) -> KernelSpec:  # fmt: skip
-    return _spec(
+                          rank_masking: bool = False, transport: str = "lsa") -> KernelSpec:  # fmt: skip
+    return _transport_spec(
         "combine_epilogue",
         (num_ranks, hidden, num_topk, num_rows, NUM_THREADS, _bool(rank_masking)),
-        ("deep_ep::CombineEpilogueArgs",),
-    )
+        ("deep_ep::CombineEpilogueArgs",), transport,
+    )  # fmt: skip
 
 
 @functools.cache
-def barrier_spec(num_ranks: int) -> KernelSpec:
-    return _spec("barrier", (num_ranks,), ("char*", "int", "int64_t*", "uint64_t"))
+def barrier_spec(num_ranks: int, transport: str = "lsa") -> KernelSpec:
+    return _transport_spec("barrier", (num_ranks,), ("char*", "int", "int64_t*", "uint64_t"), transport)
 
 
 @functools.cache
-def post_fault_spec() -> KernelSpec:
-    return _spec("post_fault", (32,), ("char*", "int64_t*", "const int4*"))
+def post_fault_spec(transport: str = "lsa") -> KernelSpec:
+    return _transport_spec("post_fault", (32,), ("char*", "int64_t*", "const int4*", "uint64_t"), transport)
 
 
 @functools.cache
@@ -266,27 +307,13 @@ def peer_store_spec() -> KernelSpec:
     return _spec("peer_store", (NUM_THREADS,), ("char*", "int", "int", "uint64_t", "const int4*", "uint64_t"))
 
 
-# NCCL's GIN backends, compiled one at a time (every backend at once costs registers and a stack)
-GIN_BACKENDS = ("PROXY", "GDAKI", "GPI", "EFA_GDA")
-
-
 @functools.cache
-def transport_ping_spec(transport: str = "lsa", gin_backend: str = "PROXY") -> KernelSpec:
-    """The transport self-test (transport_ping.cuh) over `transport`: `'lsa'`, the emulated NIC
-    (`'emulated-eager'`, `'emulated-strict'`, transport/emulated.cuh), or `'gin'` built against
-    NCCL >= 2.30.4 with the one GIN backend `gin_backend` of `GIN_BACKENDS`."""
-    if transport == "lsa":
-        return _spec("transport_ping", ("deep_ep::transport::Lsa", 256),
-                     ("deep_ep::transport::Lsa::Args", "deep_ep::TransportPingArgs"))  # fmt: skip
-    if transport in EMULATED_TRANSPORTS:
-        name = f"deep_ep::transport::Emulated<{'true' if transport == 'emulated-strict' else 'false'}>"
-        return _spec("transport_ping", (name, 256), (f"{name}::Args", "deep_ep::TransportPingArgs"))
-    if transport != "gin" or gin_backend not in GIN_BACKENDS:
-        raise ValueError(f"transport_ping_spec: no transport {transport!r} with GIN backend {gin_backend!r}")
-    flags = ("-DDEEP_EP_WITH_GIN=1", *(f"-DNCCL_GIN_{b}_ENABLE={int(b == gin_backend)}" for b in GIN_BACKENDS))
-    spec = _spec("transport_ping", ("deep_ep::transport::Gin", 256),
-                 ("deep_ep::transport::Gin::Args", "deep_ep::TransportPingArgs"), use_nccl=True)  # fmt: skip
-    return dataclasses.replace(spec, extra_flags=flags)
+def transport_ping_spec(transport: str = "lsa") -> KernelSpec:
+    """The transport self-test (transport_ping.cuh) over `transport` (one of `TRANSPORTS`): LSA, the
+    emulated NIC (transport/emulated.cuh), or GIN built against NCCL >= 2.30.4 for one backend."""
+    name = transport_type(transport)
+    return _with_transport(_spec("transport_ping", (name, 256), (f"{name}::Args", "deep_ep::TransportPingArgs")),
+                           transport)  # fmt: skip
 
 
 @functools.cache
@@ -309,18 +336,18 @@ def load(spec: KernelSpec):
 
 
 def moe_specs(num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8_scale_bytes: tuple[int, ...] = (),
-              rank_masking: bool = False) -> list[KernelSpec]:  # fmt: skip
+              rank_masking: bool = False, transport: str = "lsa") -> list[KernelSpec]:  # fmt: skip
     """Every specialisation one MoE shape uses: BF16 and each FP8 scale format, both layouts."""
     num_local_experts = num_experts // num_ranks
-    specs = [barrier_spec(num_ranks)]
+    specs = [barrier_spec(num_ranks, transport)]
     for hidden_bytes, scale_bytes in [(hidden * 2, 0), *[(hidden, s) for s in fp8_scale_bytes]]:
         shape = (num_ranks, hidden_bytes, scale_bytes, num_topk)
-        specs += [dispatch_spec(*shape, c, rank_masking) for c in (False, True)]
-        specs.append(dispatch_expand_rank_spec(*shape, rank_masking))
-        specs += [dispatch_epilogue_spec(*shape, e, rank_masking) for e in (False, True)]
+        specs += [dispatch_spec(*shape, c, rank_masking, transport) for c in (False, True)]
+        specs.append(dispatch_expand_rank_spec(*shape, rank_masking, transport))
+        specs += [dispatch_epilogue_spec(*shape, e, rank_masking, transport) for e in (False, True)]
     for num_rows, expand in ((1, False), (1, True), (min(num_topk, num_local_experts), True)):
-        specs.append(combine_spec(num_ranks, hidden, num_topk, num_rows, expand, rank_masking))
-        specs.append(combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows, rank_masking))
+        specs.append(combine_spec(num_ranks, hidden, num_topk, num_rows, expand, rank_masking, transport))
+        specs.append(combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows, rank_masking, transport))
     return list(dict.fromkeys(specs))
 
 

@@ -13,6 +13,7 @@
 #include <deep_ep/common/math.cuh>
 #include <deep_ep/common/ptx.cuh>
 #include <deep_ep/common/rank_mask.cuh>
+#include <deep_ep/common/scaleout.cuh>
 
 namespace deep_ep {
 
@@ -29,15 +30,16 @@ __device__ __forceinline__ bool counter_reached(int observed, int expected) {
 
 constexpr unsigned kPollBackoffNs = 200;
 
-template <bool kMasking = false>
-__device__ __forceinline__ bool wait_counter(const int* counter, int expected, const FaultSink& fault, int phase,
+// `Word`: int, or the uint64 signal words of remote peers (scaleout.cuh), compared on their low 32 bits.
+template <bool kMasking = false, typename Word = int>
+__device__ __forceinline__ bool wait_counter(const Word* counter, int expected, const FaultSink& fault, int phase,
                                              int rank, int peer, int channel, uint64_t timeout_ns,
                                              const RankMask<kMasking>& mask = {}) {
-    int observed = ld_acquire_sys(counter);
+    int observed = static_cast<int>(ld_acquire_sys(counter));
     if (counter_reached(observed, expected)) return not fault.check();
     if (mask.timed_out_already(peer)) return true;
     const uint64_t deadline = global_timer_ns() + timeout_ns;
-    while (not counter_reached(observed = ld_acquire_sys(counter), expected)) {
+    while (not counter_reached(observed = static_cast<int>(ld_acquire_sys(counter)), expected)) {
         if (fault.check()) return false;
         if (global_timer_ns() > deadline) {
             if (mask.mask_on_timeout(peer)) return true;
@@ -114,6 +116,31 @@ __device__ __forceinline__ void signal_arrivals(void* window, int src_rank, int 
     }
 }
 
+// The same for a remote peer (scaleout.cuh): one transport signal per block, on the context of the
+// puts it covers (a strong signal: the peer sees those puts' data once it sees the signal). One thread.
+template <typename Transport, bool kScaleout>
+__device__ __forceinline__ void signal_remote_arrivals(const Transport& transport, const Scaleout<kScaleout>& scaleout,
+                                                       int peer, int src_rank, int first_slot, int num_slots,
+                                                       int arrival_block) {
+    const int end_slot = first_slot + num_slots;
+    for (int block = first_slot / arrival_block; block * arrival_block < end_slot; ++block) {
+        const int begin = max(first_slot, block * arrival_block), end = min(end_slot, (block + 1) * arrival_block);
+        transport.signal_add(peer, scaleout.arrival_offset(src_rank, block), static_cast<uint64_t>(end - begin));
+    }
+}
+
+// One thread waits until block `block` of `source`'s records (or rows) holds `expected` of them:
+// its arrival counter, or its remote signal word when `source` is remote (wait_counter's rules).
+template <bool kScaleout>
+__device__ __forceinline__ bool wait_arrivals(char* window, const Scaleout<kScaleout>& scaleout, int source, int block,
+                                              int expected, const FaultSink& fault, int phase, int rank,
+                                              uint64_t timeout_ns) {
+    if (scaleout.is_remote(source))
+        return wait_counter(scaleout.arrivals(source) + block, expected, fault, phase, rank, source, block, timeout_ns);
+    return wait_counter(arrival_counters(window, source) + block, expected, fault, phase, rank, source, block,
+                        timeout_ns);
+}
+
 // How many slots of block `block` a source fills when it sends `num_slots` in all.
 __device__ __forceinline__ int arrival_block_size(int num_slots, int block, int arrival_block) {
     return min(arrival_block, num_slots - block * arrival_block);
@@ -122,9 +149,16 @@ __device__ __forceinline__ int arrival_block_size(int num_slots, int block, int 
 // Returns the arrival counters of the blocks that were used (`num_slots(s)` slots from each source
 // s) to zero, so the next kernel pair starts from zero. Every thread of one CTA calls it, once
 // every wait on these counters is over.
-template <int kNumRanks, typename NumSlots>
-__device__ __forceinline__ void reset_arrival_counters(char* window, int arrival_block, NumSlots num_slots) {
+template <int kNumRanks, bool kScaleout, typename NumSlots>
+__device__ __forceinline__ void reset_arrival_counters(char* window, const Scaleout<kScaleout>& scaleout,
+                                                       int arrival_block, NumSlots num_slots) {
     for (int s = 0; s < kNumRanks; ++s) {
+        if (scaleout.is_remote(s)) {
+            uint64_t* words = scaleout.arrivals(s);
+            const int num_blocks = ceil_div(num_slots(s), arrival_block);
+            for (int block = threadIdx.x; block < num_blocks; block += blockDim.x) words[block] = 0;
+            continue;
+        }
         int* counters = arrival_counters(window, s);
         const int num_blocks = ceil_div(num_slots(s), arrival_block);
         for (int block = threadIdx.x; block < num_blocks; block += blockDim.x) counters[block] = 0;
@@ -151,15 +185,15 @@ __device__ __forceinline__ bool wait_recv_counts(char* window, uint32_t signatur
 }
 
 // Every record of every source has landed (for passes that need them all at once).
-template <int kNumRanks>
-__device__ __forceinline__ bool wait_all_arrivals(char* window, const int* num_recv, int arrival_block,
-                                                  const FaultSink& fault, int rank, uint64_t timeout_ns) {
+template <int kNumRanks, bool kScaleout>
+__device__ __forceinline__ bool wait_all_arrivals(char* window, const Scaleout<kScaleout>& scaleout,
+                                                  const int* num_recv, int arrival_block, const FaultSink& fault,
+                                                  int rank, uint64_t timeout_ns) {
     bool ok = true;
     for (int s = 0; s < kNumRanks; ++s) {
-        const int* counters = arrival_counters(window, s);
         for (int block = threadIdx.x; ok and block < ceil_div(num_recv[s], arrival_block); block += blockDim.x)
-            ok = wait_counter(counters + block, arrival_block_size(num_recv[s], block, arrival_block), fault,
-                              kPhaseDispatchArrival, rank, s, block, timeout_ns);
+            ok = wait_arrivals(window, scaleout, s, block, arrival_block_size(num_recv[s], block, arrival_block), fault,
+                               kPhaseDispatchArrival, rank, timeout_ns);
     }
     return __syncthreads_and(ok);
 }

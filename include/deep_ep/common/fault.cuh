@@ -11,6 +11,11 @@
 // reading). The first kernel of a rank that finds a failure copies it into that rank's error block,
 // so every host raises. A failed buffer stays failed until it is destroyed.
 //
+// Peers outside our scale-up domain (scaleout.cuh) cannot take a compare-and-swap: the rank whose
+// wait expired posts its status to each of them by a transport signal into a word of its own in
+// their scale-out region (`forward_fault`, at the end of the kernel), and their waits look at those
+// words as well as at the status word.
+//
 // Invalid routing that a dispatch finds on the device without a CPU sync (CUDA graphs) is not a
 // failure: nothing is sent, the handle says so, and the input error block words name the first bad
 // value for the host to raise at its next call.
@@ -19,6 +24,7 @@
 
 #include <deep_ep/common/layout.cuh>
 #include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/scaleout.cuh>
 
 namespace deep_ep {
 
@@ -58,6 +64,8 @@ enum Phase : int {
     kPhaseOpSignature = 9,
     // Not a wait: a rank's host raised inside an operation or rejected its input (`post_fault.cuh`)
     kPhaseHostError = 10,
+    // The emulated NIC of virtual nodes (transport/emulated.cuh) passed its deadline with work left
+    kPhaseNic = 11,
 };
 
 // The status word: 0 while healthy; else the phase (bits 0-7), the rank whose wait expired + 1
@@ -72,6 +80,9 @@ __device__ __forceinline__ uint64_t encode_fault(int phase, int rank, int peer) 
 struct FaultSink {
     int64_t* error_block;  // host-mapped, written once per failure
     char* window;          // this rank's window: status word, reported flag, rank, peers' windows
+    // Which ranks are remote (scaleout.cuh: their failures come in words of our scale-out region,
+    // one per source); none without a scale-out region (the tests on them then fold away)
+    uint64_t remote_ranks = 0;
 
     __device__ __forceinline__ uint64_t* status() const { return reinterpret_cast<uint64_t*>(window + kStatusOffset); }
 
@@ -82,8 +93,12 @@ struct FaultSink {
     // Whether the buffer has failed (here or on a peer); a peer's failure is copied into our error
     // block the first time a thread of ours sees it.
     __device__ __forceinline__ bool check() const {
-        const uint64_t value = *reinterpret_cast<const volatile uint64_t*>(status());
-        if (value == 0) return false;
+        uint64_t value = *reinterpret_cast<const volatile uint64_t*>(status());
+        if (value == 0) {
+            if (remote_ranks == 0) return false;
+            value = take_remote_fault();
+            if (value == 0) return false;
+        }
         record(value, -1, -1, -1);
         return true;
     }
@@ -103,13 +118,30 @@ struct FaultSink {
         const int self = *reinterpret_cast<const int*>(window + kRankOffset);
         void* const* peers = reinterpret_cast<void* const*>(window + kPeerWindowsOffset);
         for (int p = 0; p < num_ranks; ++p) {
-            if (p == self) continue;
+            // Remote peers learn it from `forward_fault`
+            if (p == self or (remote_ranks >> p) & 1) continue;
             atomicCAS_system(reinterpret_cast<unsigned long long*>(static_cast<char*>(peers[p]) + kStatusOffset), 0ull,
                              value | kFaultPostedBit);
         }
     }
 
 private:
+    // A failure a remote peer posted, made ours (the status word, so later checks are one load);
+    // 0 when none has come
+    __device__ __forceinline__ uint64_t take_remote_fault() const {
+        const uint64_t* remote_faults = reinterpret_cast<const uint64_t*>(
+            window + *reinterpret_cast<const int64_t*>(window + kScaleoutRegionOffset) + kRemoteFaultOffset);
+        for (uint64_t pending = remote_ranks; pending != 0; pending &= pending - 1) {
+            const int source = __ffsll(static_cast<long long>(pending)) - 1;
+            const uint64_t posted = *reinterpret_cast<const volatile uint64_t*>(remote_faults + source);
+            if (posted == 0) continue;
+            const auto previous = atomicCAS(reinterpret_cast<unsigned long long*>(status()), 0ull,
+                                            static_cast<unsigned long long>(posted | kFaultPostedBit));
+            return previous != 0ull ? previous : posted | kFaultPostedBit;
+        }
+        return 0;
+    }
+
     __device__ __forceinline__ void record(uint64_t value, int channel, int observed, int expected) const {
         if (atomicCAS(reinterpret_cast<int*>(window + kFaultReportedOffset), 0, 1) != 0) return;
         volatile int64_t* block = error_block;
@@ -128,6 +160,38 @@ private:
 
 __device__ __forceinline__ FaultSink make_fault_sink(void* local_window, int64_t* error_block) {
     return {error_block, static_cast<char*>(local_window)};
+}
+
+// The same, also watching the failures that remote peers post (scaleout.cuh)
+template <bool kScaleout>
+__device__ __forceinline__ FaultSink make_fault_sink(void* local_window, int64_t* error_block,
+                                                     const Scaleout<kScaleout>& scaleout) {
+    FaultSink sink = make_fault_sink(local_window, error_block);
+    if constexpr (kScaleout)
+        sink.remote_ranks = scaleout.remote_ranks(*reinterpret_cast<const int*>(sink.window + kNumRanksOffset));
+    return sink;
+}
+
+// Every thread of an issuing CTA calls it at the end of a kernel with a transport (sends.cuh): a failure that
+// began on this rank (not one a peer told us of) goes to every remote peer, once per buffer (its
+// own word there, by a transport signal; peers of our scale-up domain had it by compare-and-swap).
+// A host's error (`kPhaseHostError`) goes from `post_fault.cuh` only (`is_host_error`), after the
+// message that says what it was.
+template <typename Transport, bool kScaleout>
+__device__ __forceinline__ void forward_fault(const Transport& transport, const FaultSink& fault,
+                                              const Scaleout<kScaleout>& scaleout, bool is_host_error = false) {
+    if constexpr (kScaleout) {
+        if (threadIdx.x != 0) return;
+        const uint64_t value = *reinterpret_cast<const volatile uint64_t*>(fault.status());
+        if (value == 0 or (value & kFaultPostedBit) != 0) return;
+        if (((value & 0xff) == kPhaseHostError) != is_host_error) return;
+        if (atomicCAS(reinterpret_cast<int*>(fault.window + kFaultForwardedOffset), 0, 1) != 0) return;
+        const int self = *reinterpret_cast<const int*>(fault.window + kRankOffset);
+        for (uint64_t pending = fault.remote_ranks; pending != 0; pending &= pending - 1) {
+            const int peer = __ffsll(static_cast<long long>(pending)) - 1;
+            transport.signal_add(peer, scaleout.fault_offset(self), value);
+        }
+    }
 }
 
 // Every thread of the CTA calls it: whether the buffer has failed, the same answer on every thread

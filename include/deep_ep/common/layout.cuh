@@ -63,6 +63,17 @@ constexpr int kPeerMessageBytes = 256;
 // host writes it when the window is created), and the peers masked that way (bit r for rank r)
 constexpr int64_t kMaskOnTimeoutOffset = kPeerMessageOffset + int64_t(kMaxRanks) * kPeerMessageBytes;
 constexpr int64_t kTimedOutRanksOffset = kMaskOnTimeoutOffset + 8;
+// Peers outside this rank's scale-up domain (scaleout.cuh), written by the host when the window is
+// created: where the scale-out region starts (0: every peer is reached by stores) and the bytes of
+// its staging ring (int64 each), the ranks per scale-up domain (int32), whether this rank's own
+// failure was forwarded to its remote peers (fault.cuh), and a cap on a combine ring's entries per warp
+constexpr int64_t kScaleoutRegionOffset = kTimedOutRanksOffset + 8;
+constexpr int64_t kScaleoutRingBytesOffset = kScaleoutRegionOffset + 8;
+constexpr int64_t kNumScaleupRanksOffset = kScaleoutRingBytesOffset + 8;
+constexpr int64_t kFaultForwardedOffset = kNumScaleupRanksOffset + 4;
+// At most this many staging entries per warp in a combine's ring (0: as many as the ring holds; tests
+// make entries few, so that a warp reuses them within a kernel)
+constexpr int64_t kStagingEntriesCapOffset = kFaultForwardedOffset + 4;
 // Senders publish how many of their tokens go to each of our local experts, so no receiver-side
 // pass over the records is needed to count them.
 constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
@@ -77,7 +88,7 @@ static_assert(kStatusOffset % 8 == 0 and kNumRanksOffset + 4 <= kMaskedRanksOffs
                   kMaskedRanksOffset + 8 <= kCreditOffset,
               "workspace overflow");
 static_assert(kPeerWindowsOffset % 8 == 0 and kTimedOutRanksOffset % 8 == 0 and
-                  kTimedOutRanksOffset + 8 <= kRecvExpertCountOffset,
+                  kStagingEntriesCapOffset + 4 <= kRecvExpertCountOffset,
               "workspace overflow");
 static_assert(kRecvExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * sizeof(int) <= kArrivalOffset,
               "workspace overflow");
@@ -117,8 +128,7 @@ struct DispatchRecord {
     static constexpr int kSrcIdxOffset = kWeightOffset + kNumTopk * 4;
     static constexpr int kPackedBytes = kMetaOffset + align_up(kNumTopk * 8 + 4, 16);
     static constexpr int kV2Bytes = kMetaOffset + align_up(kNumTopk * 8 + (1 + kNumTopk) * 4, 16);
-    static constexpr int kBytes =
-        align_up(kPackedBytes, 128) <= kV2Bytes ? align_up(kPackedBytes, 128) : kPackedBytes;
+    static constexpr int kBytes = align_up(kPackedBytes, 128) <= kV2Bytes ? align_up(kPackedBytes, 128) : kPackedBytes;
 };
 
 // One combine slot: a BF16 row, then the top-k weights of the token as seen by the holder rank.

@@ -31,6 +31,11 @@ __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* ptr) {
     return v;
 }
 
+// The same, for the 64-bit signal words that remote peers write (scaleout.cuh)
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
+    return ld_acquire_sys_u64(ptr);
+}
+
 __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }

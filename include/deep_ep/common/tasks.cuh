@@ -18,11 +18,15 @@ namespace deep_ep {
 
 class TaskQueue {
 public:
-    // `words`: this queue's two workspace words (tasks claimed past the first round, CTAs done)
-    __device__ __forceinline__ TaskQueue(int* words, int num_tasks, int num_warps_per_cta)
-        : words_(words), num_warps_(gridDim.x * num_warps_per_cta), is_dynamic_(num_tasks > num_warps_) {}
+    // `words`: this queue's two workspace words (tasks claimed past the first round, CTAs done);
+    // `num_ctas`: the CTAs that take tasks, the first of the grid (the grid, less an emulated NIC's CTA)
+    __device__ __forceinline__ TaskQueue(int* words, int num_tasks, int num_warps_per_cta, unsigned num_ctas)
+        : words_(words),
+          num_ctas_(num_ctas),
+          num_warps_(num_ctas * num_warps_per_cta),
+          is_dynamic_(num_tasks > num_warps_) {}
 
-    __device__ __forceinline__ int first() const { return blockIdx.x + threadIdx.x / 32 * gridDim.x; }
+    __device__ __forceinline__ int first() const { return blockIdx.x + threadIdx.x / 32 * num_ctas_; }
 
     // The warp's task after `task`, claimed now (in lane 0) and learned by every lane with `next`
     __device__ __forceinline__ int claim(int task) const {
@@ -40,7 +44,7 @@ public:
         __syncthreads();
         // A warp's claims have returned before it leaves its loop, so the last CTA in sees them all;
         // the acquire-release add orders every CTA's claims before the last one's reset
-        if (threadIdx.x == 0 and atomic_add_acq_rel_gpu(words_ + 1, 1) == static_cast<int>(gridDim.x) - 1)
+        if (threadIdx.x == 0 and atomic_add_acq_rel_gpu(words_ + 1, 1) == static_cast<int>(num_ctas_) - 1)
             reset(words_);
     }
 
@@ -51,6 +55,7 @@ public:
 
 private:
     int* words_;
+    unsigned num_ctas_;
     int num_warps_;
     bool is_dynamic_;
 };

@@ -14,7 +14,9 @@
 // rest are on the wire. There is no exit barrier, and no entry barrier: every CTA starts by
 // checking each source's window credit (credits.cuh); CTA 0 then leaves the operation's signature
 // in every source's workspace. Row counts and slots come from the handle and are clamped to what the
-// window and `x` hold, whatever the handle says.
+// window and `x` hold, whatever the handle says. A remote source (scaleout.cuh) gets its rows through
+// the transport: each slot's row(s) are staged in the warp's entries of the staging ring, put to the
+// source, and the task's arrival signal follows the puts on the warp's context.
 
 #include <deep_ep/common/bf16.cuh>
 #include <deep_ep/common/comm.cuh>
@@ -22,7 +24,10 @@
 #include <deep_ep/common/credits.cuh>
 #include <deep_ep/common/layout.cuh>
 #include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/scaleout.cuh>
+#include <deep_ep/common/sends.cuh>
 #include <deep_ep/common/tasks.cuh>
+#include <deep_ep/transport/transports.cuh>
 
 namespace deep_ep {
 
@@ -43,8 +48,18 @@ struct CombineArgs {
     uint64_t timeout_ns;
 };
 
-template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kExpand, bool kRankMasking>
-__global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args) {
+// Without multiple reduction, a slot for a remote source stages one row per local lane: lane k's is
+// the j-th entry when k is the j-th local lane (clamped: metadata of a bad handle stays in the slot's)
+template <int kEntriesPerSlot>
+__device__ __forceinline__ int staged_lane(int k, uint32_t local_lanes) {
+    return min(__popc(local_lanes & ((1u << k) - 1)), kEntriesPerSlot - 1);
+}
+
+// The kernel's work on one of its issuing CTAs; `transport` is the warp's.
+template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kExpand, bool kRankMasking,
+          typename Transport>
+__device__ __forceinline__ void combine_body(const CombineArgs& args, const Transport& transport,
+                                             const Scaleout<Transport::kHasRemote>& scaleout, const FaultSink& fault) {
     using Slot = CombineSlot<kHidden, kNumTopk>;
     constexpr bool kLaneSlots = kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
     constexpr int kNumWarps = kNumThreads / 32;
@@ -67,14 +82,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
     }
     // Sources' windows take our rows once they are done with what we sent before
     // A masked source sent us nothing (the handle's counts say so): only the waits must leave it out
-    const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
     const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(args.window_base, args.rank);
     const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
     if (!open_peer_windows<kNumRanks>(args.window_base, peer_windows, args.rank, kPhaseCombineEntry, fault,
-                                      args.timeout_ns, mask))
+                                      args.timeout_ns, mask, scaleout))
         return;
     // Every source's epilogue checks that we run the same operation before it reads a row of ours
-    post_op_signature<kNumRanks>(peer_windows, args.rank, op_signature(epoch, args.op_hash), mask);
+    post_op_signature<kNumRanks>(peer_windows, args.rank, op_signature(epoch, args.op_hash), mask, transport, scaleout);
 
     // The epilogue may launch now (programmatic dependent launch); it follows the arrival counters
     griddep_launch_dependents();
@@ -87,12 +101,21 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
     // Per source, chunks of `rows_per_task` slots, but the last round (one task per warp) takes
     // single slots, as in dispatch.cuh: so that the final sends end together
     const int rows_per_task = args.rows_per_task;
-    const int num_warps = gridDim.x * kNumWarps;
+    const int num_warps = num_issuing_ctas<Transport>() * kNumWarps;
     const int whole_end = max(0, max_rows - num_warps / max(1, num_sources)) / rows_per_task * rows_per_task;
     const int num_whole_chunks = whole_end / rows_per_task;
     const int num_tasks = num_sources * (num_whole_chunks + max_rows - whole_end);
-    const TaskQueue tasks(reinterpret_cast<int*>(args.window_base + kCombineTaskQueueOffset), num_tasks, kNumWarps);
-    for (int task = tasks.first(), claimed = 0; task < num_tasks; task = tasks.next(claimed)) {
+    const TaskQueue tasks(reinterpret_cast<int*>(args.window_base + kCombineTaskQueueOffset), num_tasks, kNumWarps,
+                          num_issuing_ctas<Transport>());
+    // Rows for remote sources: staged in the warp's entries of the ring, `kEntriesPerSlot` per slot
+    // (one row, or one per local lane without multiple reduction)
+    constexpr bool kRowPerLane = kExpand and not kReduce;
+    constexpr int kEntriesPerSlot = kRowPerLane ? kNumRows : 1;
+    StagingRing<Transport, Slot::kBytes> ring;
+    if constexpr (Transport::kHasRemote)
+        ring = StagingRing<Transport, Slot::kBytes>(scaleout, blockIdx.x * kNumWarps + warp_idx, num_warps);
+    bool ring_failed = false;  // a flush passed its deadline: nothing more is sent
+    for (int task = tasks.first(), claimed = 0; not ring_failed and task < num_tasks; task = tasks.next(claimed)) {
         claimed = tasks.claim(task);
         const int source_idx = task % num_sources, chunk = task / num_sources;
         const int s = kExpand or source_idx < args.rank ? source_idx : source_idx + 1;
@@ -103,7 +126,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
         char* source_slots = static_cast<char*>(peer_windows[s]) + kWorkspaceBytes;
         if constexpr (not kLaneSlots)
             source_slots += static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank * Slot::kBytes;
-        for (int item = 0; item < (slot_end - slot_begin) * kNumParts; ++item) {
+        const bool is_remote = scaleout.is_remote(s);
+        int staged_entry = 0;  // the slot's first staging entry (a remote source)
+        for (int item = 0; not ring_failed and item < (slot_end - slot_begin) * kNumParts; ++item) {
             const int part = item % kNumParts, slot_idx = slot_begin + item / kNumParts;
             const int i = psum_src[s] + slot_idx;
             // Per token and lane: the source's token index and our last lane of it (the handle's
@@ -120,6 +145,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
                        (kLaneSlots ? static_cast<int64_t>(token) * kNumTopk + k : slot_idx) * Slot::kBytes;
             };
             char* slot = slot_of_lane(last_lane);
+            if constexpr (Transport::kHasRemote) {
+                // A remote source's rows go to the slot's staging entries first (the one, or the first
+                // of `kEntriesPerSlot`)
+                if (is_remote and part == 0 and
+                    not ring.next(transport, args.timeout_ns, staged_entry, kEntriesPerSlot)) {
+                    if (lane_idx == 0) fault.report_timeout(kPhaseNic, args.rank, args.rank, blockIdx.x, 0, 0);
+                    ring_failed = true;
+                    break;
+                }
+                if (is_remote and not kRowPerLane) slot = ring.address(scaleout, staged_entry);
+            }
             float* slot_weights = reinterpret_cast<float*>(slot + Slot::kWeightOffset);
             int4* slot_rows = reinterpret_cast<int4*>(slot);
 
@@ -138,6 +174,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
                                        : -1;
                 if (expanded_row >= args.num_x_rows) expanded_row = -1;
                 const uint32_t local_lanes = __ballot_sync(0xffffffff, expanded_row >= 0);
+                if constexpr (Transport::kHasRemote) {
+                    // The holder's weights travel in its last lane's row
+                    if (is_remote and kRowPerLane) {
+                        slot =
+                            ring.address(scaleout, staged_entry + staged_lane<kEntriesPerSlot>(last_lane, local_lanes));
+                        slot_weights = reinterpret_cast<float*>(slot + Slot::kWeightOffset);
+                    }
+                }
                 if (part == 0 and lane_idx < kNumTopk)
                     slot_weights[lane_idx] =
                         (args.topk_weights != nullptr and expanded_row >= 0) ? args.topk_weights[expanded_row] : 0.0f;
@@ -167,20 +211,70 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_impl(CombineArgs args)
                         const int4* src =
                             args.x + static_cast<int64_t>(__shfl_sync(0xffffffff, expanded_row, k)) * kRowVectors;
                         int4* dst = reinterpret_cast<int4*>(slot_of_lane(k));
+                        if constexpr (Transport::kHasRemote)
+                            if (is_remote)
+                                dst = reinterpret_cast<int4*>(ring.address(
+                                    scaleout, staged_entry + staged_lane<kEntriesPerSlot>(k, local_lanes)));
                         warp_copy_part<kRowVectors, kUnroll>(
                             lane_idx, part, [&](int v) { return ld_nc_v4(src + v); },
                             [&](int v, const int4& value) { st_na_v4(dst + v, value); });
                     }
                 }
             }
+            if constexpr (Transport::kHasRemote) {
+                // The slot's rows are staged: put each to the source, where lane k's slot is
+                auto slot_offset = [&](int k) -> size_t {
+                    const int64_t index =
+                        kLaneSlots ? static_cast<int64_t>(token) * kNumTopk + k
+                                   : static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + slot_idx;
+                    return kWorkspaceBytes + size_t(index) * Slot::kBytes;
+                };
+                if (is_remote and part == kNumParts - 1) {
+                    if constexpr (kRowPerLane) {
+                        const int expanded_row =
+                            lane_idx < kNumTopk
+                                ? args.recv_src_metadata[static_cast<int64_t>(i) * kMetaCols + 2 + lane_idx]
+                                : -1;
+                        const uint32_t local_lanes =
+                            __ballot_sync(0xffffffff, expanded_row >= 0 and expanded_row < args.num_x_rows);
+                        for (uint32_t lanes = local_lanes; lanes != 0; lanes &= lanes - 1) {
+                            const int k = __ffs(lanes) - 1;
+                            transport.put_warp(lane_idx, s, slot_offset(k),
+                                               ring.offset(staged_entry + staged_lane<kEntriesPerSlot>(k, local_lanes)),
+                                               Slot::kBytes);
+                        }
+                    } else {
+                        transport.put_warp(lane_idx, s, slot_offset(last_lane), ring.offset(staged_entry),
+                                           Slot::kBytes);
+                    }
+                }
+            }
         }
-        // Release the task's rows (the warp's stores, ordered before the fence by __syncwarp)
+        // Release the task's rows (the warp's stores, ordered before the fence by __syncwarp); a
+        // remote source's signal follows the task's puts on the warp's context
         __syncwarp();
         fence_acq_rel_sys();
-        if (lane_idx == 0)
-            signal_arrivals(peer_windows[s], args.rank, slot_begin, slot_end - slot_begin, args.arrival_block);
+        if (lane_idx == 0) {
+            if (is_remote)
+                signal_remote_arrivals(transport, scaleout, s, args.rank, slot_begin, slot_end - slot_begin,
+                                       args.arrival_block);
+            else
+                signal_arrivals(peer_windows[s], args.rank, slot_begin, slot_end - slot_begin, args.arrival_block);
+        }
     }
     tasks.finish();
+}
+
+template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kExpand, bool kRankMasking,
+          typename Transport>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    combine_impl(CombineArgs args, typename Transport::Args transport_args) {
+    // With an emulated NIC, the grid's last CTA is the NIC
+    run_with_transport<Transport, kNumThreads>(
+        args, transport_args, true, [&](const Transport& transport, const auto& scaleout, const FaultSink& fault) {
+            combine_body<kNumRanks, kHidden, kNumTopk, kNumRows, kNumThreads, kExpand, kRankMasking>(args, transport,
+                                                                                                     scaleout, fault);
+        });
 }
 
 }  // namespace deep_ep

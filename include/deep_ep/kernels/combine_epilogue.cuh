@@ -15,7 +15,9 @@
 // rows are read after they land. The last CTA out returns the arrival counters to zero and posts
 // our window credit to the peers (credits.cuh). Before it reads any row, every CTA checks that
 // every peer runs this combine too (its signature in our workspace). Counts and slots come from the
-// handle and are clamped: a slot outside what its holder sends is no row.
+// handle and are clamped: a slot outside what its holder sends is no row. A remote holder's rows
+// land here by the transport (scaleout.cuh), its signature and arrival counters in the scale-out
+// region; its credit goes back through the transport.
 
 #include <deep_ep/common/arrivals.cuh>
 #include <deep_ep/common/bf16.cuh>
@@ -24,7 +26,10 @@
 #include <deep_ep/common/fault.cuh>
 #include <deep_ep/common/layout.cuh>
 #include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/scaleout.cuh>
+#include <deep_ep/common/sends.cuh>
 #include <deep_ep/common/tasks.cuh>
+#include <deep_ep/transport/transports.cuh>
 
 namespace deep_ep {
 
@@ -51,8 +56,12 @@ struct CombineEpilogueArgs {
     uint64_t timeout_ns;
 };
 
-template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kRankMasking>
-__global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineEpilogueArgs args) {
+// The kernel's work on one of its issuing CTAs; `transport` is the warp's.
+template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kRankMasking,
+          typename Transport>
+__device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs& args, const Transport& transport,
+                                                      const Scaleout<Transport::kHasRemote>& scaleout,
+                                                      const FaultSink& fault) {
     using Slot = CombineSlot<kHidden, kNumTopk>;
     constexpr bool kLaneSlots = kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
     constexpr int kNumWarps = kNumThreads / 32;
@@ -60,11 +69,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
     constexpr int kUnroll = 4;
     constexpr int kNumParts = num_copy_parts<kRowVectors, kUnroll>();
     constexpr int kRanksPerLane = ceil_div(kNumRanks, 32);
-    const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
     const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(args.window_base, args.rank);
     const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
     bool warp_ok = wait_op_signatures<kNumRanks>(args.window_base, op_signature(epoch, args.op_hash), fault, args.rank,
-                                                 args.timeout_ns, mask);
+                                                 args.timeout_ns, mask, scaleout);
 
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     // Lane d % 32 watches holder d: how many rows it sends back, the last block seen complete
@@ -89,7 +97,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
     };
 
     const int num_items = args.num_tokens * kNumParts;
-    const TaskQueue items(reinterpret_cast<int*>(args.window_base + kEpilogueTaskQueueOffset), num_items, kNumWarps);
+    const TaskQueue items(reinterpret_cast<int*>(args.window_base + kEpilogueTaskQueueOffset), num_items, kNumWarps,
+                          num_issuing_ctas<Transport>());
     for (int item = items.first(), claimed = 0; warp_ok and item < num_items; item = items.next(claimed)) {
         claimed = items.claim(item);
         const int t = item / kNumParts, part = item % kNumParts;
@@ -144,9 +153,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
             if (is_holder and lane_idx == d % 32 and not(d == args.rank and has_local_rows)) {
                 const int block = slot[d / 32] / args.arrival_block;
                 if (block != ready_block[d / 32]) {
-                    lane_ok = wait_counter(arrival_counters(args.window_base, d) + block,
-                                           arrival_block_size(num_sent[d / 32], block, args.arrival_block), fault,
-                                           kPhaseCombineArrival, args.rank, d, block, args.timeout_ns);
+                    lane_ok = wait_arrivals(args.window_base, scaleout, d, block,
+                                            arrival_block_size(num_sent[d / 32], block, args.arrival_block), fault,
+                                            kPhaseCombineArrival, args.rank, args.timeout_ns);
                     ready_block[d / 32] = block;
                 }
             }
@@ -203,9 +212,21 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_epilogue_impl(CombineE
 
     // The last CTA out also makes the kernel complete only after the combine kernel, as a plain
     // launch would
-    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, false, fault, mask, [&](int d) {
-        return min(max(args.num_tokens_per_rank[d], 0), args.num_max_tokens_per_rank);
-    });
+    finish_epilogue<kNumRanks>(
+        args.window_base, args.rank, args.arrival_block, false, num_issuing_ctas<Transport>(), fault, mask, transport,
+        scaleout, [&](int d) { return min(max(args.num_tokens_per_rank[d], 0), args.num_max_tokens_per_rank); });
+}
+
+template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kRankMasking,
+          typename Transport>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    combine_epilogue_impl(CombineEpilogueArgs args, typename Transport::Args transport_args) {
+    // With an emulated NIC, the grid's last CTA is the NIC
+    run_with_transport<Transport, kNumThreads>(
+        args, transport_args, false, [&](const Transport& transport, const auto& scaleout, const FaultSink& fault) {
+            combine_epilogue_body<kNumRanks, kHidden, kNumTopk, kNumRows, kNumThreads, kRankMasking>(args, transport,
+                                                                                                     scaleout, fault);
+        });
 }
 
 }  // namespace deep_ep

@@ -26,6 +26,11 @@
 // With rank masking (kRankMasking, rank_mask.cuh) a fresh dispatch drops the lanes of masked ranks'
 // experts and counts them, and no kernel waits on a masked rank or writes into its window.
 // A rank's records for itself carry only their metadata: the epilogue reads the payload from `x`.
+// Ranks outside our scale-up domain (`Transport::kHasRemote`: virtual nodes, or GIN) get their
+// records, counts and signals through the transport (scaleout.cuh): a record is staged once in our
+// window (at its token's place in the staging region: no entry is reused within a kernel, so no
+// flush waits in the loop) and put to each remote destination, and the task's arrival signal
+// follows its puts on the warp's context; the counts are staged and put before their flag.
 
 #include <climits>
 
@@ -35,7 +40,10 @@
 #include <deep_ep/common/layout.cuh>
 #include <deep_ep/common/math.cuh>
 #include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/scaleout.cuh>
+#include <deep_ep/common/sends.cuh>
 #include <deep_ep/common/tasks.cuh>
+#include <deep_ep/transport/transports.cuh>
 
 namespace deep_ep {
 
@@ -123,9 +131,11 @@ __device__ __forceinline__ void report_invalid_topk(const int64_t* topk_idx, int
     }
 }
 
+// The kernel's work on one of its `num_ctas` issuing CTAs; `transport` is the warp's.
 template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kCached,
-          bool kRankMasking>
-__global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs args) {
+          bool kRankMasking, typename Transport>
+__device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Transport& transport,
+                                              const Scaleout<Transport::kHasRemote>& scaleout, const FaultSink& fault) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRanksPerLane = ceil_div(kNumRanks, 32);
@@ -157,7 +167,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     __shared__ int cta_expert_counts[kCached ? 1 : kMaxSharedExpertCounts];
     __shared__ int num_recv[kNumRanks];
     char* own_window = args.window_base;
-    const FaultSink fault = make_fault_sink(own_window, args.error_block);
     const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(own_window, args.rank);
     const uint64_t dropped_ranks = mask.dropped_ranks();
     // This operation's epoch (the number of operations this rank completed on the buffer), read
@@ -167,12 +176,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     // Peers' windows take our records once they are done with what we sent before (their count
     // flags and arrival counters are zero again)
     if (!open_peer_windows<kNumRanks>(own_window, peer_windows, args.rank, kPhaseDispatchEntry, fault, args.timeout_ns,
-                                      mask))
+                                      mask, scaleout))
         return;
     // Every destination's epilogue checks that we run the same operation before it reads our records
-    post_op_signature<kNumRanks>(peer_windows, args.rank, signature, mask);
+    post_op_signature<kNumRanks>(peer_windows, args.rank, signature, mask, transport, scaleout);
 
-    const int channel = blockIdx.x, num_channels = gridDim.x;
+    const int channel = blockIdx.x, num_channels = num_issuing_ctas<Transport>();
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     const int num_tokens = args.num_tokens, num_local_experts = args.num_experts_per_rank;
     const int tokens_per_group = args.tokens_per_group;
@@ -200,10 +209,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
             for (int base = g * tokens_per_group; base < group_end(g); base += 32) {
                 const int t = base + lane_idx;
                 bool is_bad_row = false;
-                const uint64_t ranks = t < group_end(g) ? token_rank_mask<kNumRanks, kNumTopk>(
-                                                              args.topk_idx, t, num_local_experts, dropped_ranks,
-                                                              is_bad_row)
-                                                        : 0;
+                const uint64_t ranks = t < group_end(g)
+                                           ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts,
+                                                                                  dropped_ranks, is_bad_row)
+                                           : 0;
                 is_bad |= is_bad_row;
                 if (t < group_end(g) and not is_bad_row) {
 #pragma unroll
@@ -240,7 +249,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
         for (int e = threadIdx.x; e < num_shared_experts; e += kNumThreads)
             if (cta_expert_counts[e] != 0) atomicAdd(scratch + kScratchExpertCounts + e, cta_expert_counts[e]);
 
-        if (!grid_barrier(scratch + kScratchArrive, scratch + kScratchGeneration, barrier_tag, fault,
+        if (!grid_barrier(scratch + kScratchArrive, scratch + kScratchGeneration, barrier_tag, num_channels, fault,
                           kPhaseDispatchGrid, args.rank, args.timeout_ns))
             return;
         // Per destination (one warp each), an exclusive scan of the group counts in token order gives
@@ -307,9 +316,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     for (int d = channel; d < kNumRanks; d += num_channels) {
         if (mask.skips(d)) continue;  // the same on every thread
         char* peer = static_cast<char*>(peer_windows[d]);
+        // A remote destination's counts are staged here and put, before their flag's signal
+        const bool is_remote = scaleout.is_remote(d);
         if constexpr (not kCached) {
             // Hand over our per-expert counts for `d` and return their scratch to zero
-            int* counts = reinterpret_cast<int*>(peer + kRecvExpertCountOffset) + args.rank * kMaxLocalExperts;
+            int* counts = is_remote
+                              ? scaleout.count_staging(d)
+                              : reinterpret_cast<int*>(peer + kRecvExpertCountOffset) + args.rank * kMaxLocalExperts;
             int* pending = args.layout_scratch + kScratchExpertCounts + d * num_local_experts;
             for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
                 counts[e] = is_bad ? 0 : __ldcg(pending + e);
@@ -317,7 +330,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
             }
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
+        if (is_remote and threadIdx.x < 32) {
+            const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
+            const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
+            if constexpr (not kCached)
+                transport.put_warp(lane_idx, d, kRecvExpertCountOffset + size_t(args.rank) * kMaxLocalExperts * 4,
+                                   scaleout.count_staging_offset(d), align_up(num_local_experts * 4, 16));
+            if (threadIdx.x == 0)
+                transport.signal_add(d, kRecvCountOffset + size_t(args.rank) * 8, count_flag(signature, count));
+        } else if (threadIdx.x == 0) {
             const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
             const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
             // A fresh count is released after the per-expert counts; a cached one guards nothing (a
@@ -412,7 +433,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
     const int whole_end = max(0, num_tokens - num_channels * kNumWarps) / tokens_per_task * tokens_per_task;
     const int num_whole_tasks = whole_end / tokens_per_task;
     const int num_tasks = num_whole_tasks + num_tokens - whole_end;
-    const TaskQueue tasks(reinterpret_cast<int*>(own_window + kDispatchTaskQueueOffset), num_tasks, kNumWarps);
+    const TaskQueue tasks(reinterpret_cast<int*>(own_window + kDispatchTaskQueueOffset), num_tasks, kNumWarps,
+                          num_issuing_ctas<Transport>());
     for (int task = tasks.first(), claimed = 0; not is_bad and task < num_tasks; task = tasks.next(claimed)) {
         claimed = tasks.claim(task);
         const bool is_whole = task < num_whole_tasks;
@@ -440,10 +462,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
             }
             const int t = task_begin + lane_idx;
             bool unused = false;
-            const uint64_t ranks =
-                t < task_end
-                    ? token_rank_mask<kNumRanks, kNumTopk>(args.topk_idx, t, num_local_experts, dropped_ranks, unused)
-                    : 0;
+            const uint64_t ranks = t < task_end ? token_rank_mask<kNumRanks, kNumTopk>(
+                                                      args.topk_idx, t, num_local_experts, dropped_ranks, unused)
+                                                : 0;
             const uint32_t lanes_below = (1u << lane_idx) - 1;
 #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
@@ -479,12 +500,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
         for (int item = 0; item < (task_end - task_begin) * kNumParts; ++item) {
             const int t = task_begin + item / kNumParts, part = item % kNumParts;
             char* dst_records[kNumRanks];
+            uint64_t remote_hits = 0;  // the remote destinations of token t (the same on every lane)
 #pragma unroll
             for (int d = 0; d < kNumRanks; ++d) {
                 // Plain loads: a fresh dispatch wrote these slots earlier in this kernel
                 const int slot = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d];
+                const bool is_sent = slot >= 0 and slot < args.num_max_tokens_per_rank;
+                if (is_sent and scaleout.is_remote(d)) remote_hits |= 1ull << d;
                 dst_records[d] =
-                    (slot < 0 or slot >= args.num_max_tokens_per_rank)
+                    (not is_sent or scaleout.is_remote(d))
                         ? nullptr
                         : static_cast<char*>(peer_windows[d]) + kWorkspaceBytes +
                               (static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank + slot) * Record::kBytes;
@@ -497,6 +521,30 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
                         if (dst_records[d] != nullptr and (d != args.rank or v >= kScaleVectorsEnd))
                             st_na_v4(reinterpret_cast<int4*>(dst_records[d]) + v, value);
                 });
+            if constexpr (Transport::kHasRemote) {
+                // The part again, into the token's staging entry (a second pass over the input: one
+                // more destination in the pass above would hold too many registers)
+                if (remote_hits == 0) continue;
+                int4* staged = reinterpret_cast<int4*>(scaleout.window() + scaleout.staging_offset(t, Record::kBytes));
+                warp_copy_part<kRecordVectors, kUnroll>(
+                    lane_idx, part, [&](int v) { return load_vector(t, v); },
+                    [&](int v, const int4& value) { st_na_v4(staged + v, value); });
+            }
+        }
+        if constexpr (Transport::kHasRemote) {
+            // Every staged record to each of its remote destinations (after the copies: their
+            // registers are free for the transport's)
+            for (int t = task_begin; t < task_end; ++t) {
+#pragma unroll 1
+                for (int d = 0; d < kNumRanks; ++d) {
+                    const int slot = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d];
+                    if (not scaleout.is_remote(d) or slot < 0 or slot >= args.num_max_tokens_per_rank) continue;
+                    transport.put_warp(
+                        lane_idx, d,
+                        kWorkspaceBytes + (size_t(args.rank) * args.num_max_tokens_per_rank + slot) * Record::kBytes,
+                        scaleout.staging_offset(t, Record::kBytes), Record::kBytes);
+                }
+            }
         }
         // Release the task's records (the warp's stores, ordered before the fence by __syncwarp)
         // and count them in: a task's tokens hold consecutive slots at every destination
@@ -507,14 +555,31 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_impl(DispatchArgs arg
         for (int d = 0; d < kNumRanks; ++d) {
             const int slot = t < task_end ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] : -1;
             const uint32_t hits = __ballot_sync(0xffffffff, slot >= 0 and slot < args.num_max_tokens_per_rank);
-            if (hits != 0 and lane_idx == __ffs(hits) - 1)
-                signal_arrivals(peer_windows[d], args.rank, slot, __popc(hits), args.arrival_block);
+            if (hits != 0 and lane_idx == __ffs(hits) - 1) {
+                // A remote destination's on the context of the task's puts, after them
+                if (scaleout.is_remote(d))
+                    signal_remote_arrivals(transport, scaleout, d, args.rank, slot, __popc(hits), args.arrival_block);
+                else
+                    signal_arrivals(peer_windows[d], args.rank, slot, __popc(hits), args.arrival_block);
+            }
         }
     }
 
     tasks.finish();
     if constexpr (not kCached)
         if (is_count_cta and not counts_first) receive_counts();
+}
+
+template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kCached,
+          bool kRankMasking, typename Transport>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    dispatch_impl(DispatchArgs args, typename Transport::Args transport_args) {
+    // With an emulated NIC, the grid's last CTA is the NIC
+    run_with_transport<Transport, kNumThreads>(
+        args, transport_args, true, [&](const Transport& transport, const auto& scaleout, const FaultSink& fault) {
+            dispatch_body<kNumRanks, kHiddenBytes, kNumScaleBytes, kNumTopk, kNumThreads, kCached, kRankMasking>(
+                args, transport, scaleout, fault);
+        });
 }
 
 }  // namespace deep_ep

@@ -12,7 +12,9 @@
 // (tasks.cuh). The last CTA out returns the arrival counters and count flags to zero and posts our
 // window credit to the peers (credits.cuh). With `drain_only` it only waits for every record and
 // resets (a dispatch whose input was rejected after peers had already sent). Every write is checked
-// against the outputs' rows, whatever the window and the expanded ranks say.
+// against the outputs' rows, whatever the window and the expanded ranks say. Remote sources
+// (scaleout.cuh) land here by the transport: their records as theirs, their signatures and arrival
+// counters in the scale-out region; their credits go back through the transport.
 
 #include <cub/block/block_scan.cuh>
 
@@ -23,7 +25,10 @@
 #include <deep_ep/common/layout.cuh>
 #include <deep_ep/common/math.cuh>
 #include <deep_ep/common/ptx.cuh>
+#include <deep_ep/common/scaleout.cuh>
+#include <deep_ep/common/sends.cuh>
 #include <deep_ep/common/tasks.cuh>
+#include <deep_ep/transport/transports.cuh>
 
 namespace deep_ep {
 
@@ -56,9 +61,12 @@ struct DispatchEpilogueArgs {
     uint64_t timeout_ns;
 };
 
+// The kernel's work on one of its issuing CTAs; `transport` is the warp's.
 template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kExpand,
-          bool kRankMasking>
-__global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(DispatchEpilogueArgs args) {
+          bool kRankMasking, typename Transport>
+__device__ __forceinline__ void dispatch_epilogue_body(const DispatchEpilogueArgs& args, const Transport& transport,
+                                                       const Scaleout<Transport::kHasRemote>& scaleout,
+                                                       const FaultSink& fault) {
     using Record = DispatchRecord<kHiddenBytes, kNumScaleBytes, kNumTopk>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kHiddenVectors = kHiddenBytes / 16;
@@ -72,20 +80,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
     __shared__ int psum_src[kNumRanks + 1];
     __shared__ int num_per_expert[kMaxLocalExperts];
     __shared__ int expert_offset[kMaxLocalExperts + 1];
-    // The expanded ranks come from a kernel that ran to completion before us (and may have stopped
-    // on a failure, which the count wait then sees)
-    if (args.expand_rank_in_expert != nullptr) griddep_wait();
-    const FaultSink fault = make_fault_sink(args.window_base, args.error_block);
     const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(args.window_base, args.rank);
     const int epoch = *reinterpret_cast<const int*>(args.window_base + kEpochOffset);
     const uint32_t signature = op_signature(epoch, args.op_hash);
-    bool ok = wait_op_signatures<kNumRanks>(args.window_base, signature, fault, args.rank, args.timeout_ns, mask) and
+    bool ok = wait_op_signatures<kNumRanks>(args.window_base, signature, fault, args.rank, args.timeout_ns, mask,
+                                            scaleout) and
               wait_recv_counts<kNumRanks>(args.window_base, signature, args.num_max_tokens_per_rank, num_recv, fault,
                                           args.rank, args.timeout_ns, mask);
     const bool is_drain = args.drain_only;
     if (is_drain)
-        ok = ok and wait_all_arrivals<kNumRanks>(args.window_base, num_recv, args.arrival_block, fault, args.rank,
-                                                 args.timeout_ns);
+        ok = ok and wait_all_arrivals<kNumRanks>(args.window_base, scaleout, num_recv, args.arrival_block, fault,
+                                                 args.rank, args.timeout_ns);
 
     const int num_local_experts = args.num_experts_per_rank;
     if (ok and not is_drain) {
@@ -166,8 +171,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
         int max_recv = 0;
         for (int s = 0; s < kNumRanks; ++s) max_recv = max(max_recv, num_recv[s]);
         const int num_items = max_recv * kNumRanks;
-        const TaskQueue items(reinterpret_cast<int*>(args.window_base + kEpilogueTaskQueueOffset), num_items,
-                              kNumWarps);
+        const TaskQueue items(reinterpret_cast<int*>(args.window_base + kEpilogueTaskQueueOffset), num_items, kNumWarps,
+                              num_issuing_ctas<Transport>());
         bool warp_ok = true;
         for (int item = items.first(), claimed = 0; warp_ok and item < num_items; item = items.next(claimed)) {
             claimed = items.claim(item);
@@ -175,9 +180,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
             if (slot >= num_recv[s]) continue;
             if (lane_idx == 0) {
                 const int block = slot / args.arrival_block;
-                warp_ok = wait_counter(arrival_counters(args.window_base, s) + block,
-                                       arrival_block_size(num_recv[s], block, args.arrival_block), fault,
-                                       kPhaseDispatchArrival, args.rank, s, block, args.timeout_ns);
+                warp_ok = wait_arrivals(args.window_base, scaleout, s, block,
+                                        arrival_block_size(num_recv[s], block, args.arrival_block), fault,
+                                        kPhaseDispatchArrival, args.rank, args.timeout_ns);
             }
             __syncwarp();
             warp_ok = __shfl_sync(0xffffffff, warp_ok, 0);
@@ -241,7 +246,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
         // Zero the alignment padding between expert blocks
         if constexpr (kExpand) {
             if (args.do_zero_padding) {
-                const int global_warp = blockIdx.x * kNumWarps + warp_idx, num_global_warps = gridDim.x * kNumWarps;
+                const int global_warp = blockIdx.x * kNumWarps + warp_idx,
+                          num_global_warps = num_issuing_ctas<Transport>() * kNumWarps;
                 for (int e = 0; e < num_local_experts; ++e) {
                     const int pad_begin = expert_offset[e] + num_per_expert[e];
                     for (int row = pad_begin + global_warp; row < expert_offset[e + 1] and row < args.num_out_rows;
@@ -265,8 +271,23 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch_epilogue_impl(Dispatc
 
     // The last CTA out also makes the kernel complete only after the dispatch kernel (its handle
     // outputs), as a plain launch would
-    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, true, fault, mask,
-                               [&](int s) { return num_recv[s]; });
+    finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, true, num_issuing_ctas<Transport>(),
+                               fault, mask, transport, scaleout, [&](int s) { return num_recv[s]; });
+}
+
+template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kExpand,
+          bool kRankMasking, typename Transport>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    dispatch_epilogue_impl(DispatchEpilogueArgs args, typename Transport::Args transport_args) {
+    // The expanded ranks come from a kernel that ran to completion before us (and may have stopped
+    // on a failure, which the count wait then sees)
+    if (args.expand_rank_in_expert != nullptr) griddep_wait();
+    // With an emulated NIC, the grid's last CTA is the NIC
+    run_with_transport<Transport, kNumThreads>(
+        args, transport_args, false, [&](const Transport& transport, const auto& scaleout, const FaultSink& fault) {
+            dispatch_epilogue_body<kNumRanks, kHiddenBytes, kNumScaleBytes, kNumTopk, kNumThreads, kExpand,
+                                   kRankMasking>(args, transport, scaleout, fault);
+        });
 }
 
 }  // namespace deep_ep

@@ -4,26 +4,19 @@
 // window (at `dst_offset + rank * num_bytes`) and signals that peer (the 64-bit word at `signal_offset
 // + rank * 8`). It waits until every peer's word reached `round`, with a deadline, and at once copies
 // what that peer sent to `snapshot_offset + peer * num_bytes`: what a consumer reads right after the
-// signal, which the host checks. Then it flushes and reuses its source (overwrites it, as a kernel
-// reusing a staging buffer would). A warp per peer; `status[p]` becomes 1 once peer p's signal
+// signal, which the host checks. Before that wait it flushes and reuses its source (overwrites it,
+// as a kernel reusing a staging buffer would). A warp per peer; `status[p]` becomes 1 once peer p's signal
 // arrived, -1 on a deadline or a failed flush. One body for every transport (`Transport`:
 // transport/lsa.cuh, transport/emulated.cuh, and transport/gin.cuh with DEEP_EP_WITH_GIN); with an
-// emulated NIC (`Transport::kHasNic`) the grid's last CTA is the NIC. `mistake` breaks the protocol
-// on purpose, so that tests can show a strict NIC catches it.
+// emulated NIC (`Transport::kHasNic`) the grid's last CTA is the NIC, and its `mistake` argument
+// (transport/emulated.cuh) breaks the protocol on purpose, so that tests can show it catches that.
 
 #include <cstdint>
 
 #include <deep_ep/common/ptx.cuh>
-#include <deep_ep/transport/emulated.cuh>
-#include <deep_ep/transport/lsa.cuh>
-#if DEEP_EP_WITH_GIN
-#include <deep_ep/transport/gin.cuh>
-#endif
+#include <deep_ep/transport/transports.cuh>
 
 namespace deep_ep {
-
-// `TransportPingArgs::mistake` (the wrong ones need a transport with contexts for kPingSplitContexts)
-enum PingMistake : int { kPingCorrect = 0, kPingNoFlush = 1, kPingSignalFirst = 2, kPingSplitContexts = 3 };
 
 struct TransportPingArgs {
     uint64_t src_offset;
@@ -36,7 +29,6 @@ struct TransportPingArgs {
     char* own_window;  // this rank's window base (the source is reused through it)
     int rank;
     int num_ranks;
-    int mistake;
     int* status;  // [num_ranks]
 };
 
@@ -50,49 +42,29 @@ __device__ __forceinline__ void reuse_source(const TransportPingArgs& args) {
     }
 }
 
-// One thread: add 1 to `peer`'s word; with `other_context`, on the context the put did not use
-// (a transport with contexts only: the emulated NIC)
-template <typename Transport>
-__device__ __forceinline__ void signal_peer(const Transport& transport, bool other_context, int peer,
-                                            size_t signal_offset) {
-    if constexpr (Transport::kHasNic) {
-        if (other_context) {
-            transport.on_context(1 - transport.args.context).signal_add(peer, signal_offset, 1);
-            return;
-        }
-    }
-    transport.signal_add(peer, signal_offset, 1);
-}
-
 template <typename Transport, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
     transport_ping_impl(typename Transport::Args transport_args, TransportPingArgs args) {
-    const Transport transport(transport_args);
+    const Transport nic(transport_args);
     if constexpr (Transport::kHasNic) {
         if (blockIdx.x == gridDim.x - 1) {
-            transport.run_nic(gridDim.x - 1);
+            nic.run_nic(gridDim.x - 1, [](int) {});
             return;
         }
     }
     const int warp_idx = threadIdx.x / 32, lane_idx = threadIdx.x % 32;
     constexpr int kNumWarps = kNumThreads / 32;
+    const Transport transport = nic.for_warp(blockIdx.x * kNumWarps + warp_idx);
     for (int peer = warp_idx; peer < args.num_ranks; peer += kNumWarps) {
         if (peer == args.rank) continue;
         const size_t dst_offset = args.dst_offset + args.rank * args.num_bytes;
-        const size_t signal_offset = args.signal_offset + args.rank * 8;
-        if (args.mistake == kPingSignalFirst) {
-            if (lane_idx == 0) transport.signal_add(peer, signal_offset, 1);
-            __syncwarp();
-            transport.put_warp(lane_idx, peer, dst_offset, args.src_offset, args.num_bytes);
-            continue;
-        }
         transport.put_warp(lane_idx, peer, dst_offset, args.src_offset, args.num_bytes);
-        __syncwarp();
-        if (lane_idx == 0) signal_peer(transport, args.mistake == kPingSplitContexts, peer, signal_offset);
+        if (lane_idx == 0) transport.signal_add(peer, args.signal_offset + args.rank * 8, 1);
     }
-    transport.finish_posting();
-    // The source is reused only after the flush below; this mistake reuses it at once
-    if (args.mistake == kPingNoFlush) reuse_source(args);
+    // One flush covers every put of the warp (a timeout cycle is about a nanosecond); only then may
+    // the source change, which a kernel reusing a staging buffer does at once
+    const bool flushed = transport.flush_warp(args.timeout_ns);
+    reuse_source(args);
     for (int peer = warp_idx; peer < args.num_ranks; peer += kNumWarps) {
         if (peer == args.rank) continue;
         int arrived = 0;
@@ -114,13 +86,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             for (size_t v = lane_idx; v < args.num_bytes / 16; v += 32) snapshot[v] = ld_window_v4(block + v);
         }
     }
-    if (args.mistake != kPingNoFlush) {
-        // One flush covers every put of the warp; a timeout cycle is about a nanosecond
-        const bool flushed = transport.flush_warp(args.timeout_ns);
-        for (int peer = warp_idx; lane_idx == 0 and not flushed and peer < args.num_ranks; peer += kNumWarps)
-            if (peer != args.rank) args.status[peer] = -1;
-        reuse_source(args);
-    }
+    for (int peer = warp_idx; lane_idx == 0 and not flushed and peer < args.num_ranks; peer += kNumWarps)
+        if (peer != args.rank) args.status[peer] = -1;
+    // After the flush: the NIC stops (and starts its queues over) once every issuing CTA is here
+    transport.finish_posting();
 }
 
 }  // namespace deep_ep

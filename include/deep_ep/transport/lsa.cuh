@@ -4,8 +4,11 @@
 // stores (NVLink, or the virtual ranks of one GPU): `put_warp` is the warp's copy from our window
 // into the peer's, `signal_add` a system-scope release add to a 64-bit word of the peer's window,
 // `flush_warp` nothing (a store has read its source when it retires), `read_signal` an acquire load
-// of our own word. The interface of gin.cuh, so that one kernel templated on the transport serves
-// both. No NCCL headers: the peers' window bases come from the workspace.
+// of our own word. The interface of gin.cuh and emulated.cuh, so that one kernel templated on the
+// transport serves all three. As the transport of the communication kernels it has no remote peers
+// (`kHasRemote`): every peer is one of our scale-up domain, reached by the kernels' own stores, and
+// every test of the scale-out path folds away. No NCCL headers: the peers' window bases come from
+// the workspace.
 
 #include <cstddef>
 #include <cstdint>
@@ -15,7 +18,8 @@
 namespace deep_ep::transport {
 
 struct Lsa {
-    static constexpr bool kHasNic = false;  // no NIC of ours to run (emulated.cuh has one)
+    static constexpr bool kHasNic = false;     // no NIC of ours to run (emulated.cuh has one)
+    static constexpr bool kHasRemote = false;  // no peer outside the scale-up domain
 
     struct Args {
         char* const* peer_windows;  // [num_ranks] every rank's window base, as this rank reaches it
@@ -24,6 +28,9 @@ struct Lsa {
     Args args;
 
     __device__ __forceinline__ explicit Lsa(const Args& args_) : args(args_) {}
+
+    // The transport a warp posts through (one context: the same object)
+    __device__ __forceinline__ Lsa for_warp(int) const { return *this; }
 
     // `num_bytes` a multiple of 16; the caller orders the copy before its signal (`__syncwarp`,
     // then `signal_add` from one lane)
@@ -55,6 +62,10 @@ struct Lsa {
 
     // Nothing to tell: no NIC of ours drains a queue
     __device__ __forceinline__ void finish_posting() const {}
+
+    // No NIC CTA to run
+    template <typename OnTimeout>
+    __device__ __forceinline__ void run_nic(int, const OnTimeout&) const {}
 };
 
 }  // namespace deep_ep::transport

@@ -2,8 +2,9 @@
 communicator (`ncclCommQueryProperties`: a query, never a try, since a failed GIN setup leaves a
 communicator unusable). The device-communicator requirements are in `device_comm.gin_requirements`.
 
-Compiled against NCCL 2.30.4, 2.31.2 and 2.32.3 in CI. The kernels' GIN data path is not built yet,
-and no machine here has an RDMA NIC: nothing in this module has talked to one.
+Compiled against NCCL 2.30.4, 2.31.2 and 2.32.3 in CI, with the kernels' GIN transport (transport/gin.cuh)
+and its host side (`gin_windows`, `gin_links`). No machine here has an RDMA NIC: nothing in this module
+has talked to one.
 """
 
 from __future__ import annotations

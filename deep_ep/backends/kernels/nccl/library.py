@@ -15,6 +15,10 @@ from pathlib import Path
 from deep_ep.errors import NCCLError
 
 NCCL_WIN_COLL_SYMMETRIC = 0x01
+# In nccl.h from 2.30.4: the window's VA signals are ordered after the puts before them (GIN needs it).
+# Older releases have no such flag: it must never reach their `ncclCommWindowRegister`
+NCCL_WIN_STRICT_ORDERING = 0x02
+NCCL_WIN_STRICT_ORDERING_SINCE = 23004
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -59,6 +63,12 @@ class NcclLibrary:
 
     def call(self, name: str, *args: object, comm: int | None = None) -> None:
         self.check(getattr(self._lib, name)(*args), name, comm)
+
+    def version(self) -> int:
+        """`ncclGetVersion()`: the `NCCL_VERSION_CODE` of this library, e.g. 23203 for 2.32.3."""
+        code = ctypes.c_int()
+        self.call("ncclGetVersion", ctypes.byref(code))
+        return code.value
 
 
 @functools.cache

@@ -11,8 +11,10 @@ import ctypes
 import torch
 import torch.distributed as dist
 
+from deep_ep.jit.nccl_headers import version_string
+
 from .communicator import Communicator
-from .library import NCCL_WIN_COLL_SYMMETRIC
+from .library import NCCL_WIN_COLL_SYMMETRIC, NCCL_WIN_STRICT_ORDERING, NCCL_WIN_STRICT_ORDERING_SINCE
 
 WINDOW_ALIGNMENT = 4096
 
@@ -30,6 +32,30 @@ class _DeviceArray:
         }
 
 
+def _device_bytes(ptr: int, num_bytes: int) -> torch.Tensor:
+    """`[num_bytes]` `torch.uint8` over device memory at `ptr` (not owned by torch)."""
+    return torch.as_tensor(_DeviceArray(ptr, num_bytes), device="cuda")
+
+
+def check_window_flags(flags: int, nccl_version: int) -> None:
+    """Refuse `ncclCommWindowRegister` flags that NCCL `nccl_version` (its `NCCL_VERSION_CODE`) lacks:
+    `NCCL_WIN_STRICT_ORDERING` exists from 2.30.4 on, and an older NCCL must never see it.
+
+    Raises:
+        ValueError: for a flag outside symmetric | strict ordering, or strict ordering below 2.30.4.
+    """
+    known = NCCL_WIN_COLL_SYMMETRIC | NCCL_WIN_STRICT_ORDERING
+    if flags & ~known:
+        raise ValueError(
+            f"SymmetricWindow: `flags` {flags:#x} has bits outside {known:#x} (symmetric, strict ordering)"
+        )
+    if flags & NCCL_WIN_STRICT_ORDERING and nccl_version < NCCL_WIN_STRICT_ORDERING_SINCE:
+        raise ValueError(
+            f"SymmetricWindow: NCCL_WIN_STRICT_ORDERING needs NCCL >= {version_string(NCCL_WIN_STRICT_ORDERING_SINCE)}, "
+            f"this process runs NCCL {version_string(nccl_version)}"
+        )
+
+
 class SymmetricWindow:
     """`num_bytes` of symmetric device memory on every rank of `comm`, registered as one window.
 
@@ -37,10 +63,19 @@ class SymmetricWindow:
         comm: the communicator; registration is collective over its ranks.
         num_bytes: the window size, identical on every rank (checked before registering, since a
             registration that fails on one rank only would hang the others).
+        flags: `ncclCommWindowRegister`'s flags: `NCCL_WIN_COLL_SYMMETRIC`, with
+            `NCCL_WIN_STRICT_ORDERING` for a window that GIN's VA signals go to (NCCL >= 2.30.4 only;
+            one node's windows never ask for it).
+
+    Raises:
+        ValueError: for flags the loaded NCCL lacks (`check_window_flags`), before any NCCL call.
     """
 
-    def __init__(self, comm: Communicator, num_bytes: int) -> None:
+    def __init__(self, comm: Communicator, num_bytes: int, flags: int = NCCL_WIN_COLL_SYMMETRIC) -> None:
+        if flags != NCCL_WIN_COLL_SYMMETRIC:
+            check_window_flags(flags, comm.lib.version())
         self.comm = comm
+        self.flags = flags
         self.num_bytes = (num_bytes + WINDOW_ALIGNMENT - 1) // WINDOW_ALIGNMENT * WINDOW_ALIGNMENT
         sizes = [None] * comm.num_ranks
         dist.all_gather_object(sizes, self.num_bytes, group=comm.group)
@@ -51,7 +86,7 @@ class SymmetricWindow:
         ptr = ctypes.c_void_p()
         lib.call("ncclMemAlloc", ctypes.byref(ptr), ctypes.c_size_t(self.num_bytes))
         self.ptr = int(ptr.value)
-        self.bytes = torch.as_tensor(_DeviceArray(self.ptr, self.num_bytes), device="cuda")
+        self.bytes = _device_bytes(self.ptr, self.num_bytes)
         self.bytes.zero_()
         torch.cuda.synchronize()
         window = ctypes.c_void_p()
@@ -61,7 +96,7 @@ class SymmetricWindow:
             ctypes.c_void_p(self.ptr),
             ctypes.c_size_t(self.num_bytes),
             ctypes.byref(window),
-            NCCL_WIN_COLL_SYMMETRIC,
+            flags,
             comm=comm.handle,
         )
         self.handle = int(window.value)

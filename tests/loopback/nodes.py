@@ -1,0 +1,113 @@
+"""Rank functions of the virtual-node GPU tests: a node that stalls, and a run whose emulated NIC breaks
+the protocol on purpose (so that the strict NIC must expose it)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# The hidden size of the stall and mistake tests: the 8-rank shape of the virtual-node sweep
+NODE_HIDDEN = 2560
+
+
+def node_buffer(group: Any, timeout_s: float, **kwargs: Any) -> Any:
+    """A kernels buffer in direct mode (the kernels across nodes have no hybrid mode yet)."""
+    import deep_ep
+
+    return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=NODE_HIDDEN, num_topk=8,
+                                 explicitly_destroy=True, allow_hybrid_mode=False, num_gpu_timeout_secs=timeout_s,
+                                 num_cpu_timeout_secs=60, **kwargs)  # fmt: skip
+
+
+def stalled_node_rank(rank: int, group: dist.ProcessGroup, stalled_node: int, num_ranks_per_node: int,
+                      timeout_s: float) -> dict:  # fmt: skip
+    """Every rank dispatches and combines once; then the ranks of `stalled_node` sit out one dispatch
+    (and call only after the others' deadline), the others go ahead. Returns what each rank raised
+    and when."""
+    from kernel_checks import make_inputs
+
+    import deep_ep
+
+    num_experts = 8 * group.size()
+    buf = node_buffer(group, timeout_s)
+    x, topk_idx, weights, _ = make_inputs(rank, group.size(), 100, NODE_HIDDEN, "bf16", num_experts, 8, "uniform", 0.0,
+                                          0, 11, "cuda")  # fmt: skip
+    out = buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
+    buf.combine(torch.ones((out[3].num_recv_tokens, NODE_HIDDEN), dtype=torch.bfloat16, device="cuda"), out[3])
+    torch.cuda.current_stream().synchronize()
+    dist.barrier(group=group)
+    outcome: dict = {}
+    started = time.monotonic()
+    if rank // num_ranks_per_node == stalled_node:
+        time.sleep(3 * timeout_s)
+    try:
+        buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
+        buf.barrier()
+        outcome["error"] = None
+    except deep_ep.EPTimeoutError as error:
+        outcome["error"] = str(error)
+    outcome["raised_s"] = time.monotonic() - started
+    buf.destroy()
+    return outcome
+
+
+def mistake_rank(rank: int, group: dist.ProcessGroup, seed: int, num_rounds: int) -> int:
+    """Dispatch (fresh and cached) and combine `num_rounds` times with new data on the kernels and
+    the reference, checked bitwise (raises `AssertionError`, or the kernels' error, at the first
+    difference); few SMs, so that a warp stages many rows. Returns the rounds checked."""
+    from kernel_checks import check_dispatch, equal, make_inputs
+    from sweep import wide_bf16
+
+    import deep_ep
+
+    num_ranks = group.size()
+    hidden, num_topk, num_experts, num_tokens = NODE_HIDDEN, 8, 8 * num_ranks, 120
+    buffers = [deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=hidden, num_topk=num_topk,
+                                     allow_hybrid_mode=False, backend=backend, explicitly_destroy=True,
+                                     num_gpu_timeout_secs=10) for backend in ("kernels", "reference")]  # fmt: skip
+    kernels, reference = buffers
+    try:
+        for round_idx in range(num_rounds):
+            x, topk_idx, weights, _ = make_inputs(rank, num_ranks, num_tokens, hidden, "bf16", num_experts, num_topk,
+                                                  "uniform", 0.0, 0, seed + round_idx, "cuda")  # fmt: skip
+            kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
+            out_k = kernels.dispatch(x, num_sms=2, **kwargs)
+            out_r = reference.dispatch(x, **kwargs)
+            handle = check_dispatch(out_k, out_r, False, False, f"round {round_idx}, fresh dispatch")
+            x2 = make_inputs(rank, num_ranks, num_tokens, hidden, "bf16", num_experts, num_topk, "uniform", 0.0, 0,
+                             seed + 500 + round_idx, "cuda")[0]  # fmt: skip
+            check_dispatch(kernels.dispatch(x2, handle=out_k[3], num_sms=2), reference.dispatch(x2, handle=out_r[3]),
+                           False, False, f"round {round_idx}, cached dispatch")  # fmt: skip
+            gen = torch.Generator().manual_seed(seed * 31 + round_idx * 7 + rank)
+            y = wide_bf16((handle.num_recv_tokens, hidden), gen, "cuda")
+            equal(kernels.combine(y, out_k[3], num_sms=2)[0], reference.combine(y, out_r[3])[0],
+                  f"round {round_idx}, combined_x")  # fmt: skip
+    finally:
+        for buffer in buffers:
+            buffer.destroy()
+    return num_rounds
+
+
+def node_test_specs() -> list:
+    """Every kernel specialisation the virtual-node GPU tests launch, over both NIC modes: the sweep's
+    (`NODE_SHAPES`: the graph replays and the stalled node use its 8-rank shape) and the protocol
+    mistakes' (4 ranks, hidden 2560, top-8, BF16; strict NIC)."""
+    from kernel_checks import row_bytes
+    from sweep import NODE_LOCAL_EXPERTS, NODE_SHAPES, kernel_specs
+
+    from deep_ep.backends.kernels import specs as kernels
+
+    found = []
+    for mode in ("eager", "strict"):
+        found += [spec for n in NODE_SHAPES for spec in kernel_specs(n, f"emulated-{mode}", NODE_SHAPES,
+                                                                        NODE_LOCAL_EXPERTS)]  # fmt: skip
+    transport, shape = "emulated-strict", (4, *row_bytes("bf16", NODE_HIDDEN), 8)
+    found += [kernels.barrier_spec(4, transport), kernels.post_fault_spec(transport)]
+    found += [kernels.dispatch_spec(*shape, cached, False, transport) for cached in (False, True)]
+    found += [kernels.dispatch_epilogue_spec(*shape, False, False, transport)]
+    found += [kernels.combine_spec(4, NODE_HIDDEN, 8, 1, False, False, transport),
+              kernels.combine_epilogue_spec(4, NODE_HIDDEN, 8, 1, False, transport)]  # fmt: skip
+    return list(dict.fromkeys(found))
