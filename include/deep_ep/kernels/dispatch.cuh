@@ -131,7 +131,7 @@ __device__ __forceinline__ void report_invalid_topk(const int64_t* topk_idx, int
     }
 }
 
-// The kernel's work on one of its `num_ctas` issuing CTAs; `transport` is the warp's.
+// The kernel's work on one of its issuing CTAs; `transport` is the warp's.
 template <int kNumRanks, int kHiddenBytes, int kNumScaleBytes, int kNumTopk, int kNumThreads, bool kCached,
           bool kRankMasking, typename Transport>
 __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Transport& transport,
