@@ -338,6 +338,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             enable_rank_masking=self.enable_rank_masking,
             mask_ranks_on_timeout=self.mask_ranks_on_timeout,
             num_scaleup_ranks=self.num_scaleup_ranks,
+            physical_domain_size=(self.num_rdma_ranks, self.num_nvlink_ranks),
         )
         self._failure: str | None = None
         self._theoretical_num_sms: dict[tuple[int, int], int] = {}

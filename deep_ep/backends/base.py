@@ -85,6 +85,8 @@ class BufferConfig:
             instead of the buffer failing (`EPBackend.supports_mask_on_timeout`).
         num_scaleup_ranks: ranks per logical scale-up domain (consecutive ranks); fewer than
             `num_ranks` in hybrid mode, whose combine reduces each domain's partials first (`0`: all).
+        physical_domain_size: `(hosts, ranks per host)` as the facade counted them (`None`: not
+            counted; a backend that needs them counts them itself, collectively).
     """
 
     rank_idx: int
@@ -105,6 +107,7 @@ class BufferConfig:
     enable_rank_masking: bool = False
     mask_ranks_on_timeout: bool = False
     num_scaleup_ranks: int = 0
+    physical_domain_size: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class NvlinkBackend(EPBackend):
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
         self._device_index = config.device.index if config.device.index is not None else torch.cuda.current_device()
-        transport = open_transport(group, config.num_allocated_qps)
+        transport = open_transport(group, config.num_allocated_qps, config.physical_domain_size)
         world = loopback_world_of(group)
         self.runtime = NvlinkRuntime(transport, config.num_bytes,
                                      num_gpu_timeout_secs=config.num_gpu_timeout_secs,

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES, WORKSPACE_BYTES, CombineSlotLayout, DispatchRecordLayout
 from deep_ep.utils.math import align
 
+from . import specs
 from .layout import STAGING_RING_OFFSET
 
-# Warps per CTA of the communication kernels (specs.NUM_THREADS // 32)
-WARPS_PER_CTA = 16
+# Warps per CTA of the communication kernels
+WARPS_PER_CTA = specs.NUM_THREADS // 32
 # An entry's bytes when the buffer was not sized for a hidden size: a BF16 record of hidden 7168
 DEFAULT_ENTRY_BYTES = 16 << 10
 

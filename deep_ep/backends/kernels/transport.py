@@ -217,12 +217,14 @@ class Transport:
         return self.num_scaleup_ranks < self.num_ranks
 
 
-def open_transport(group: dist.ProcessGroup, num_allocated_qps: int = 0) -> Transport:
+def open_transport(group: dist.ProcessGroup, num_allocated_qps: int = 0,
+                   physical_domain_size: tuple[int, int] | None = None) -> Transport:  # fmt: skip
     """The transport of a buffer on `group`.
 
     Virtual ranks take their world's share and windows, and with virtual nodes its emulated NIC (no
     communication). Otherwise the rank has the whole current device and an NCCL window, and the
-    group's hosts are counted (`deep_ep.domains.get_physical_domain_size`, collective): on one host
+    group's hosts count (`physical_domain_size`, else `deep_ep.domains.get_physical_domain_size`,
+    collective): on one host
     the window is one NVLink domain's (`EP_NCCL_OWN_COMM=1`: on an NCCL communicator of our own
     instead of borrowing torch's), across hosts `nccl_gin` (`open_gin_transport`).
 
@@ -230,6 +232,8 @@ def open_transport(group: dist.ProcessGroup, num_allocated_qps: int = 0) -> Tran
         group: the buffer's group (every rank calls this).
         num_allocated_qps: the buffer's queue pairs: GIN contexts across hosts (`0`: V2's default
             for direct mode, `planner.default_num_allocated_qps(False)`).
+        physical_domain_size: `(hosts, ranks per host)`, when the caller counted them already (the
+            facade does, for every buffer); `None`: counted here.
     """
     world = loopback_world_of(group)
     rank, num_ranks = group.rank(), group.size()
@@ -242,7 +246,7 @@ def open_transport(group: dist.ProcessGroup, num_allocated_qps: int = 0) -> Tran
 
         return Transport("loopback", world.device_share(rank), num_ranks, world.num_ranks_per_node,
                          lambda num_bytes: world.open_windows(rank, num_bytes), make_links)  # fmt: skip
-    num_nodes, num_ranks_per_node = get_physical_domain_size(group)
+    num_nodes, num_ranks_per_node = physical_domain_size or get_physical_domain_size(group)
     if num_nodes > 1:
         return open_gin_transport(group, num_ranks_per_node, num_allocated_qps)
     own_comm = os.environ.get("EP_NCCL_OWN_COMM", "0") == "1"
