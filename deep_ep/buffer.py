@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import itertools
 import threading
 import weakref
@@ -88,14 +87,6 @@ def _one_thread_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def _supports_by_name(backend_class: type[EPBackend], group: dist.ProcessGroup) -> bool:
-    """`is_supported` for a backend asked for by name: one whose `is_supported` takes `requested`
-    (the kernels, which `'auto'` keeps off GIN across hosts) is told it was."""
-    if "requested" in inspect.signature(backend_class.is_supported).parameters:
-        return bool(backend_class.is_supported(group, requested=True))  # type: ignore[call-arg]
-    return bool(backend_class.is_supported(group))
-
-
 def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = True) -> type[EPBackend]:
     """Choose the backend class for `group` through `deep_ep.backends.registry`.
 
@@ -116,8 +107,8 @@ def select_backend_class(group: dist.ProcessGroup, backend: str, agree: bool = T
                 f"ElasticBuffer: `backend`={backend!r} needs {registry.entry(backend).module}, which failed to "
                 f"import: {error}"
             ) from error
-        if not _supports_by_name(backend_class, group):
-            why = backend_class.unsupported_reason(group) or f"{backend_class.__name__}.is_supported is False"
+        if not backend_class.is_supported_by_name(group):
+            why = backend_class.unsupported_reason(group) or f"{backend_class.__name__}.is_supported_by_name is False"
             raise ValueError(f"ElasticBuffer: `backend`={backend!r} does not support this group ({why})")
         return backend_class
     device = group_device(group)

@@ -91,7 +91,7 @@ def test_real_ranks_use_nccl_lsa_inside_one_nvlink_domain(
     auto = name != "nccl_gin"  # GIN across hosts only when the kernels are asked for by name
     assert choose_transport(group) == TransportChoice(name, reason, auto)  # type: ignore[arg-type]
     assert NvlinkBackend.is_supported(group) is (name is not None and auto)  # type: ignore[arg-type]
-    assert NvlinkBackend.is_supported(group, requested=True) is (name is not None)  # type: ignore[arg-type]
+    assert NvlinkBackend.is_supported_by_name(group) is (name is not None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("num_devices", "peer_access", "expected"), [

@@ -409,6 +409,13 @@ class EPBackend(abc.ABC):
         return True
 
     @classmethod
+    def is_supported_by_name(cls, group: dist.ProcessGroup) -> bool:
+        """Whether this backend can serve `group` when asked for by name (`ElasticBuffer(backend=name)`);
+        `is_supported` by default. A backend that `backend='auto'` keeps off some groups it can serve
+        answers more here than there."""
+        return cls.is_supported(group)
+
+    @classmethod
     def unsupported_reason(cls, group: dist.ProcessGroup) -> str | None:
         """Why this backend cannot serve `group` (one sentence), or `None` when it can or cannot say."""
         return None

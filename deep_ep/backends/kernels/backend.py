@@ -51,12 +51,18 @@ class NvlinkBackend(EPBackend):
                                      ring_entries_per_warp=None if world is None else world.nic.ring_entries_per_warp)  # fmt: skip
 
     @classmethod
-    def is_supported(cls, group: dist.ProcessGroup, requested: bool = False) -> bool:
+    def is_supported(cls, group: dist.ProcessGroup) -> bool:
         """Whether some transport reaches every peer of `group` from here (`transport.choose_transport`)
-        and, unless the kernels were `requested` by name (`backend='kernels'`), `backend='auto'` may
-        take it: not GIN across hosts (`TransportChoice.auto`), which has never run on a NIC."""
+        and `backend='auto'` may take it: not GIN across hosts (`TransportChoice.auto`), which has
+        never run on a NIC."""
         choice = choose_transport(group)
-        return choice.supported and (choice.auto or requested)
+        return choice.supported and choice.auto
+
+    @classmethod
+    def is_supported_by_name(cls, group: dist.ProcessGroup) -> bool:
+        """Whether some transport reaches every peer of `group` from here (`backend='kernels'` takes
+        GIN across hosts too)."""
+        return choose_transport(group).supported
 
     @classmethod
     def unsupported_reason(cls, group: dist.ProcessGroup) -> str | None:

@@ -126,15 +126,15 @@ class EmulatedLinks:
     def attach(self, windows: PeerWindows) -> None:
         self.rank = windows.rank
         self._table.copy_(torch.tensor(windows.peer_ptrs, dtype=torch.int64))
-        self._args = {kernel_class: self._pack(kernel_class, self._timeout_ns) for kernel_class in KERNEL_CLASSES}
+        self._args = {kernel_class: self._pack(kernel_class) for kernel_class in KERNEL_CLASSES}
 
-    def _pack(self, kernel_class: str, timeout_ns: int) -> bytes:
+    def _pack(self, kernel_class: str) -> bytes:
         queue, words = self._queues.get(kernel_class, (None, None))
         return bytes(specs.EmulatedTransportArgs(
             peer_windows=self._table.data_ptr(), queue=0 if queue is None else queue.data_ptr(),
             words=0 if words is None else words.data_ptr(), capacity=NIC_CAPACITY, rank=self.rank, context=0,
             mistake=specs.NIC_MISTAKES[self.options.mistake], seed=(self.options.seed * 7919 + self.rank) & 0xFFFFFFFF,
-            delay_ns=int(self.options.delay_us * 1e3), timeout_ns=timeout_ns))  # fmt: skip
+            delay_ns=int(self.options.delay_us * 1e3), timeout_ns=self._timeout_ns))  # fmt: skip
 
     def args(self, kernel_class: str, num_qps: int = 0) -> bytes:
         return self._args[kernel_class]
