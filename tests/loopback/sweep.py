@@ -137,6 +137,14 @@ def _snapshot(*values: Any) -> list[torch.Tensor]:
     return flat
 
 
+def _raise_device_failure(kernels_buf: Any) -> None:
+    """Raise the kernels buffer's device failure, if any, before its outputs are compared: an epilogue
+    that stopped at a fault (its own or a peer's) leaves its outputs unwritten, and the failure
+    explains that difference best."""
+    torch.cuda.current_stream().synchronize()
+    kernels_buf.backend.runtime.check_error()
+
+
 def run_case(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any], seed: int) -> None:
     """One case on one rank: kernels and reference, compared bitwise (raises `AssertionError`)."""
     rng = random.Random(seed * 7919 + case["index"] * 31 + rank)
@@ -166,8 +174,7 @@ def run_case(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any], see
         kwargs["num_max_tokens_per_rank"] = case["max_tokens"]
     out_k = _call(kernels_buf, "dispatch", case["stream"], x, num_sms=case["num_sms"], cumulative_local_expert_recv_stats=None if stats is None else stats["kernels"], **kwargs)  # fmt: skip
     out_r = _call(reference_buf, "dispatch", case["stream"], x, cumulative_local_expert_recv_stats=None if stats is None else stats["reference"], **kwargs)  # fmt: skip
-    torch.cuda.current_stream().synchronize()
-    kernels_buf.backend.runtime.check_error()  # a device failure explains a difference best
+    _raise_device_failure(kernels_buf)
     handle = check_dispatch(out_k, out_r, case["expand"], case["zero_padding"], "fresh dispatch")
     if stats:
         equal(stats["kernels"] - start["kernels"], handle.num_unaligned_recv_tokens_per_expert, "stats increment")
@@ -182,6 +189,7 @@ def run_case(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any], see
                              topk_weights=weights if case["cached_weights"] else None)  # fmt: skip
         cached_k = _call(kernels_buf, "dispatch", case["stream"], x2, handle=out_k[3], num_sms=case["combine_num_sms"], **cached_kwargs)  # fmt: skip
         cached_r = _call(reference_buf, "dispatch", case["stream"], x2, handle=out_r[3], **cached_kwargs)
+        _raise_device_failure(kernels_buf)
         check_dispatch(cached_k, cached_r, case["expand"], case["zero_padding"], "cached dispatch")
 
     num_rows = handle.num_expanded_tokens if case["expand"] else handle.num_recv_tokens
@@ -191,6 +199,7 @@ def run_case(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any], see
     comb_k = _call(kernels_buf, "combine", case["stream"], y, out_k[3], topk_weights=y_weights, bias=bias,
                    num_sms=case["combine_num_sms"])  # fmt: skip
     comb_r = _call(reference_buf, "combine", case["stream"], y, out_r[3], topk_weights=y_weights, bias=bias)
+    _raise_device_failure(kernels_buf)
     equal(comb_k[0], comb_r[0], "combined_x")
     equal(comb_k[1], comb_r[1], "combined_topk_weights")
     for tensor, copy in before:
