@@ -447,6 +447,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"bench: `--profile` with virtual ranks needs `--ranks` 1, got {config.num_ranks}: virtual ranks are "
             "threads of one process, which take turns in the interpreter, and cProfile (Python >= 3.12) sees them all"
         )
+    if args.nodes is not None:
+        options = (("--host", args.host), ("--sms", args.sms), ("--plot", args.plot), ("--breakdown", args.breakdown))
+        if given := [name for name, value in options if value]:
+            raise ValueError(
+                f"bench: `--nodes` counts the bytes of the planner's SM pick, without host times, plots or a "
+                f"breakdown; drop {', '.join(given)}"
+            )
     if args.host:
         options = (("--sms", args.sms), ("--plot", args.plot), ("--breakdown", args.breakdown))
         if given := [name for name, value in options if value]:
@@ -454,13 +461,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"bench: `--host` times the planner's SM pick, without plots or a breakdown; drop {', '.join(given)}"
             )
     runner.check_config(config)
+    if args.nodes is not None:
+        from deep_ep.bench import nodes
+
+        nodes.check_nodes(config, args.nodes)
     if config.device == "cuda":
         from deep_ep.jit import compile_many
 
         print("deep-ep bench: compiling the kernels (cached ones load at once)", file=sys.stderr)
-        compile_many(cases.kernel_specs(config), progress=True)
+        compile_many(nodes.kernel_specs(config) if args.nodes is not None else cases.kernel_specs(config),
+                     progress=True)  # fmt: skip
     command = " ".join(["deep-ep", *sys.argv[1:]])
-    if args.host:
+    if args.nodes is not None:
+        nodes.run_nodes(config, args.nodes, json_path=args.json, command=command)
+    elif args.host:
         from deep_ep.bench import host
 
         host.run_host(config, json_path=args.json, command=command)
@@ -517,6 +531,10 @@ def register_bench(subparsers: Any) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="with --host: profile the first rank's calls and print where their host time goes, by "
                              "area and by function (deep_ep.bench.host_profile)")  # fmt: skip
+    parser.add_argument("--nodes", type=int, default=None, metavar="N",
+                        help="instead of bandwidth: split the virtual ranks of one GPU into N virtual nodes and "
+                             "count the bytes per token that cross the emulated NIC between them, measured in "
+                             "direct mode and modelled for hybrid mode (deep_ep.bench.nodes)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="seed of the inputs (default: from the clock)")
     parser.add_argument(
         "--json", default=None, metavar="FILE", help="write the results (with commit, command, hardware, date)"

@@ -77,6 +77,11 @@ def _mirror_assertions() -> str:
         for field, _ in mirror._fields_:
             offset = getattr(mirror, field).offset
             lines.append(f'static_assert(offsetof({name}, {field}) == {offset}, "{mirror.__name__}.{field}");')
+    # The emulated NIC's word counts, which the host allocates
+    lines.append(f"static_assert(deep_ep::transport::kNicWords == {kernel_specs.NIC_WORDS});")
+    for index, word in enumerate(kernel_specs.NIC_TRAFFIC_WORDS):
+        lines.append(f"static_assert(deep_ep::transport::kNicTraffic{word.capitalize()} == {index});")
+    lines.append(f"static_assert(deep_ep::transport::kNicTrafficWords == {len(kernel_specs.NIC_TRAFFIC_WORDS)});")
     return "\n".join(lines)
 
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from deep_ep.host_reads import host_list
+
 from . import specs
 from .layout import PEER_WINDOWS_OFFSET
 
@@ -112,6 +114,8 @@ class EmulatedLinks:
         self.rank = 0
         self._timeout_ns = timeout_ns
         self._table = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+        # What this rank handed to its NIC, every kernel class together (`specs.NIC_TRAFFIC_WORDS`)
+        self._traffic = torch.zeros(len(specs.NIC_TRAFFIC_WORDS), dtype=torch.int64, device=device)
         self._queues: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if options.strict:
             # A free descriptor's head holds the slot that takes it next: entry e, slot e (one lap)
@@ -134,10 +138,17 @@ class EmulatedLinks:
             peer_windows=self._table.data_ptr(), queue=0 if queue is None else queue.data_ptr(),
             words=0 if words is None else words.data_ptr(), capacity=NIC_CAPACITY, rank=self.rank, context=0,
             mistake=specs.NIC_MISTAKES[self.options.mistake], seed=(self.options.seed * 7919 + self.rank) & 0xFFFFFFFF,
-            delay_ns=int(self.options.delay_us * 1e3), timeout_ns=self._timeout_ns))  # fmt: skip
+            delay_ns=int(self.options.delay_us * 1e3), timeout_ns=self._timeout_ns,
+            traffic=self._traffic.data_ptr()))  # fmt: skip
 
     def args(self, kernel_class: str, num_qps: int = 0) -> bytes:
         return self._args[kernel_class]
+
+    def traffic(self) -> dict[str, int]:
+        """What this rank's kernels handed to the NIC since the buffer was made: `bytes` put, `puts`
+        and `signals` (counted when posted). Call it once the rank's kernels are done (its
+        communication stream drained): it reads the device after the current stream drains."""
+        return dict(zip(specs.NIC_TRAFFIC_WORDS, host_list(self._traffic), strict=True))
 
     def nic_status(self, kernel_class: str) -> int:
         """The strict NIC's status word of `kernel_class`'s queue (0: fine, -1: past its deadline,

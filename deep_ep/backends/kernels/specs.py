@@ -149,6 +149,8 @@ class LsaTransportArgs(ctypes.Structure):
 EMULATED_TRANSPORTS = ("emulated-eager", "emulated-strict")
 NIC_CONTEXTS = 2  # kNicContexts
 NIC_WORDS = 2 * NIC_CONTEXTS + 2  # kNicWords; the status is the last one
+# kNicTraffic*: what a rank handed to its NIC, as int64 words: bytes put, puts, signals
+NIC_TRAFFIC_WORDS = ("bytes", "puts", "signals")
 # `Emulated::Args::mistake` (NicMistake): the protocol broken on purpose, for the tests that show the
 # strict NIC catches it
 NIC_MISTAKES = {None: 0, "no_flush": 1, "signal_first": 2, "split_contexts": 3}
@@ -168,6 +170,7 @@ class EmulatedTransportArgs(ctypes.Structure):
         ("seed", ctypes.c_uint32),
         ("delay_ns", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
+        ("traffic", ctypes.c_uint64),
     ]
 
 

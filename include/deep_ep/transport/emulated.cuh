@@ -42,6 +42,8 @@ enum NicMistake : int { kNicCorrect = 0, kNicNoFlush = 1, kNicSignalFirst = 2, k
 constexpr int kNicContexts = 2;
 constexpr int kNicWordTails = 0, kNicWordExecutedBelow = kNicContexts, kNicWordDone = 2 * kNicContexts,
               kNicWordStatus = 2 * kNicContexts + 1, kNicWords = 2 * kNicContexts + 2;
+// `Emulated::Args::traffic`
+constexpr int kNicTrafficBytes = 0, kNicTrafficPuts = 1, kNicTrafficSignals = 2, kNicTrafficWords = 3;
 
 template <bool kStrict>
 struct Emulated {
@@ -59,6 +61,9 @@ struct Emulated {
         uint32_t seed;
         uint64_t delay_ns;    // strict: a put waits at least this long in the NIC
         uint64_t timeout_ns;  // the NIC's deadline, and every flush's and post's
+        // [kNicTrafficWords]: what this rank handed to the NIC (bytes put, puts, signals), for the
+        // benchmark's bytes per token across nodes; never reset by a kernel
+        unsigned long long* traffic;
     };
     // The kernel's argument, by reference (its words stay in the constant bank, not in registers)
     const Args& args;
@@ -82,6 +87,10 @@ struct Emulated {
     __device__ __forceinline__ void put_warp(int lane_idx, int peer, size_t dst_offset, size_t src_offset,
                                              size_t num_bytes) const {
         __syncwarp();
+        if (lane_idx == 0) {
+            atomicAdd(args.traffic + kNicTrafficBytes, static_cast<unsigned long long>(num_bytes));
+            atomicAdd(args.traffic + kNicTrafficPuts, 1ull);
+        }
         if constexpr (kStrict) {
             if (lane_idx == 0) {
                 const int slot = post(context, kNicPut, peer, dst_offset, src_offset, num_bytes);
@@ -95,6 +104,7 @@ struct Emulated {
 
     // One thread. Strict: posted behind the context's earlier puts to `peer`, which the NIC runs first
     __device__ __forceinline__ void signal_add(int peer, size_t word_offset, uint64_t value) const {
+        atomicAdd(args.traffic + kNicTrafficSignals, 1ull);
         if constexpr (kStrict) {
             if (args.mistake == kNicSignalFirst) {
                 direct().signal_add(peer, word_offset, value);
