@@ -60,7 +60,7 @@ def test_nodes_bench_counts_every_byte_direct_mode_puts_across_virtual_nodes():
 
     config = cases.BenchConfig(cases.make_cases([128, 96], None, ["fp8", "bf16"], ["uniform", "imbalanced"], 7168, 8,
                                                 256), 4, "cuda", virtual_ranks=True, seed=11)  # fmt: skip
-    compile_many(nodes.kernel_specs(config))
+    compile_many(cases.kernel_specs(config, nodes.NIC_TRANSPORT))
     rows = nodes.run_nodes(config, 2, command="pytest")
     assert len(rows) == 8
     for row in rows:

@@ -86,7 +86,7 @@ def test_the_node_count_must_divide_the_virtual_ranks_of_one_gpu() -> None:
 def test_the_kernels_it_compiles_are_the_eager_nic_s() -> None:
     config = cases.BenchConfig(cases.make_cases([128], None, ["fp8", "bf16"], ["uniform"], 7168, 8, 256), 4, "cuda",
                                virtual_ranks=True)  # fmt: skip
-    specs = nodes.kernel_specs(config)
+    specs = cases.kernel_specs(config, nodes.NIC_TRANSPORT)
     assert specs and all(s.template_args[-1] == "deep_ep::transport::Emulated<false>" for s in specs), specs
     assert {s.name for s in specs} >= {"deep_ep::dispatch_impl", "deep_ep::combine_impl", "deep_ep::post_fault_impl"}
 

@@ -185,13 +185,15 @@ def records_per_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -
     return torch.stack([(owner == d).any(dim=1) for d in range(num_ranks)]).sum(dim=1).tolist()
 
 
-def kernel_specs(config: BenchConfig) -> list:
-    """The NVLink kernels `config`'s cases use on `config.num_ranks` GPUs, and the speed-of-light probe:
+def kernel_specs(config: BenchConfig, transport: str = "lsa") -> list:
+    """The kernels `config`'s cases use on `config.num_ranks` ranks over `transport`, and the speed-of-light
+    probe over NVLink (else the post of a host's fault, which a buffer over another transport loads):
     `deep-ep bench` compiles them up front (in parallel, with a progress bar) instead of inside the ranks."""
-    from ..backends.kernels.specs import moe_specs, peer_store_spec
+    from ..backends.kernels.specs import moe_specs, peer_store_spec, post_fault_spec
 
-    specs = [peer_store_spec()]
+    specs = [peer_store_spec() if transport == "lsa" else post_fault_spec(transport)]
     for case in config.cases:
         fp8_scale_bytes = ((case.hidden + 127) // 128 * 4,) if case.fp8_dispatch else ()
-        specs += moe_specs(config.num_ranks, case.hidden, case.num_topk, case.num_experts, fp8_scale_bytes)
+        specs += moe_specs(config.num_ranks, case.hidden, case.num_topk, case.num_experts, fp8_scale_bytes,
+                           transport=transport)  # fmt: skip
     return list(dict.fromkeys(specs))

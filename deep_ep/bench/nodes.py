@@ -50,9 +50,9 @@ def record_bytes(case: BenchCase) -> int:
 def modelled_bytes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_ranks_per_node: int, rank: int,
                    num_recv_per_source: list[int], case: BenchCase) -> dict[str, int]:  # fmt: skip
     """What `rank` puts through the NIC in direct mode, and its share of hybrid mode's puts, for its
-    routing `topk_idx` (`[T, K]` int64 on the CPU, `-1` for none) and the tokens it received from each source
-    (`num_recv_per_source`, `[num_ranks]`): `direct_*` and `hybrid_*` bytes (dispatch and combine),
-    and the (token, remote rank) and (token, remote node) pairs."""
+    routing `topk_idx` (`[T, K]` int64 on the CPU, `-1` for none) and the tokens it received from
+    each source (`num_recv_per_source`, `[num_ranks]`): `direct_*` and `hybrid_*` bytes (dispatch and
+    combine), and the (token, remote rank) and (token, remote node) pairs."""
     num_local_experts = num_experts // num_ranks
     node = rank // num_ranks_per_node
     num_nodes = num_ranks // num_ranks_per_node
@@ -64,7 +64,7 @@ def modelled_bytes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num
     ranks_hit = ranks_hit[:, :num_ranks]
     is_remote = torch.arange(num_ranks) // num_ranks_per_node != node
     remote_rank_hits = int(ranks_hit[:, is_remote].sum())
-    nodes_hit = ranks_hit.view(-1, num_nodes, num_ranks_per_node).any(dim=2)
+    nodes_hit = ranks_hit.reshape(-1, num_nodes, num_ranks_per_node).any(dim=2)
     remote_node_hits = int(nodes_hit.sum() - nodes_hit[:, node].sum())
     num_remote_ranks, num_remote_nodes = int(is_remote.sum()), num_nodes - 1
     count_bytes = align(num_local_experts * 4, 16)
@@ -150,7 +150,9 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         for name in (*TRAFFIC_FIELDS, *MODEL_FIELDS):
             row[name] = sum(r[name] for r in same)
         tokens = max(1, row["num_tokens"])
-        row["per_token"] = {name: row[name] / tokens for name in (*TRAFFIC_FIELDS, *MODEL_FIELDS[:6])}
+        row["per_token"] = {
+            name: row[name] / tokens for name in (*TRAFFIC_FIELDS, *MODEL_FIELDS) if name != "num_tokens"
+        }
         summary.append(row)
     return summary
 
@@ -171,18 +173,6 @@ def format_table(rows: list[dict], hardware: str, num_nodes: int) -> str:
     lines.append("measured bytes equal direct mode's for the routing on every rank (checked); hybrid mode is a "
                  "model until the kernels have it (docs/hybrid.md)")  # fmt: skip
     return "\n".join(lines)
-
-
-def kernel_specs(config: BenchConfig) -> list:
-    """The kernels `config`'s cases use over the eager emulated NIC, compiled up front by the command."""
-    from ..backends.kernels.specs import moe_specs, post_fault_spec
-
-    specs = [post_fault_spec(NIC_TRANSPORT)]
-    for case in config.cases:
-        fp8_scale_bytes = ((case.hidden + 127) // 128 * 4,) if case.fp8_dispatch else ()
-        specs += moe_specs(config.num_ranks, case.hidden, case.num_topk, case.num_experts, fp8_scale_bytes,
-                           transport=NIC_TRANSPORT)  # fmt: skip
-    return list(dict.fromkeys(specs))
 
 
 def check_nodes(config: BenchConfig, num_nodes: int) -> int:
