@@ -4,10 +4,27 @@ virtual-node GPU tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def capture_collective(ops: Callable[[], Any], group: dist.ProcessGroup) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """`ops()` captured in a CUDA graph on every rank of `group` (collective): the graph and what the
+    captured call returned. A warm-up call outside capture loads every kernel first."""
+    ops()
+    # Every rank has enqueued all it will before capture begins, which synchronizes the device
+    dist.barrier(group=group)
+    torch.cuda.current_stream().synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+        outputs = ops()
+    # Capturing allocates the graph's memory (a cudaMalloc can wait for the device): no replay may run
+    # (and wait for a peer) before every rank has captured
+    dist.barrier(group=group)
+    return graph, outputs
 
 
 def graph_case(rank: int, group: dist.ProcessGroup, kbuf, rbuf, dtype: str, do_expand: bool, seed: int,
@@ -53,16 +70,7 @@ def graph_case(rank: int, group: dist.ProcessGroup, kbuf, rbuf, dtype: str, do_e
         combined = kbuf.combine(static_y, fresh[3], bias=static_bias)
         return fresh, cached, combined
 
-    ops()  # warm-up outside capture: every kernel loaded
-    # Every rank has enqueued all it will before capture begins, which synchronizes the device
-    dist.barrier(group=group)
-    torch.cuda.current_stream().synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-        fresh, cached, combined = ops()
-    # Capturing allocates the graph's memory (a cudaMalloc can wait for the device): no replay may run
-    # (and wait for a peer) before every rank has captured
-    dist.barrier(group=group)
+    graph, (fresh, cached, combined) = capture_collective(ops, group)
     for replay in range(num_replays):
         new_x, new_topk, new_w, new_bias = inputs(seed + 10 + replay)
         new_x2 = inputs(seed + 50 + replay)[0]

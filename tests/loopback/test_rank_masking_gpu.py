@@ -156,6 +156,7 @@ def test_eager_calls_go_on_without_a_stopped_rank_bitwise_equal_to_the_reference
 
 
 def _graph_rank(rank: int, group: dist.ProcessGroup, seed: int, num_replays: int, automatic: bool) -> dict:
+    from graphs import capture_collective
     from kernel_checks import check_dispatch, equal
 
     kbuf, rbuf = _buffers(group, automatic)
@@ -174,13 +175,7 @@ def _graph_rank(rank: int, group: dist.ProcessGroup, seed: int, num_replays: int
         combined = kbuf.combine(static["y"], fresh[3], bias=static["bias"])
         return fresh, cached, combined
 
-    ops()  # every kernel loaded outside capture
-    dist.barrier(group=group)
-    torch.cuda.current_stream().synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-        fresh, cached, combined = ops()
-    dist.barrier(group=group)
+    graph, (fresh, cached, combined) = capture_collective(ops, group)
 
     outcome = {"before": 0, "after": 0}
     for replay in range(2 * num_replays):
