@@ -3,7 +3,8 @@
 2 ranks run the full product of the main axes; 4 and 8 ranks run a seeded subset that covers every
 value of every axis. Secondary options (hidden, experts, top-k, token counts, a rank with zero
 tokens, column-major scales, multiple reduction, handle copy, stream paths) are drawn per case from
-the shared seed. Each world size is spawned once; the cases loop inside the ranks.
+the shared seed. Each world size is spawned once; the cases loop inside the ranks. Hybrid mode runs
+the subset on virtual nodes of CPU threads (2 x 4, 2 x 8, 4 x 4), against the oracle's node stage.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import deep_ep
+from deep_ep.loopback import LoopbackWorld
 from deep_ep.utils.fp8 import per_token_cast_to_fp8
 from deep_ep.utils.routing import imbalanced_routing, uniform_routing
 from deep_ep.utils.spawn import spawn_ranks
@@ -108,9 +110,11 @@ def assert_unchanged(before: list[Any], after: list[Any]) -> None:
                 assert_bitwise(at, bt, "an input tensor was modified")
 
 
-def run_case(buffers: dict[bool, deep_ep.ElasticBuffer], axes: dict[str, Any], seed: int, case_idx: int) -> None:
-    group = dist.group.WORLD
-    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+def run_case(buffers: dict[bool, deep_ep.ElasticBuffer], axes: dict[str, Any], seed: int, case_idx: int,
+             group: dist.ProcessGroup, rank: int, num_ranks_per_node: int | None = None) -> None:  # fmt: skip
+    """One case on `rank` of `group`, against the brute-force oracle; `num_ranks_per_node`: the
+    buffers run hybrid mode across nodes of that many ranks (the combine's node stage)."""
+    num_ranks = group.size()
     rng = random.Random(seed * 7919 + case_idx)  # the same on every rank
     gen = torch.Generator().manual_seed((seed * 1_000_003 + case_idx * 101 + rank) % (1 << 62))
     allow_multiple_reduction = rng.random() < 0.5
@@ -218,6 +222,7 @@ def run_case(buffers: dict[bool, deep_ep.ElasticBuffer], axes: dict[str, Any], s
         [b.cpu() for b in biases],
         hidden,
         num_topk,
+        num_ranks_per_node,
     )
     assert_bitwise(combined_x, expected_x, "combined_x")
     if comb_weights is None:
@@ -242,12 +247,28 @@ def sweep_worker(rank: int, num_ranks: int, seed: int, num_cases: int | None) ->
     cases = full_sweep() if num_cases is None else covering_subset(seed, num_cases)
     for case_idx, axes in enumerate(cases):
         try:
-            run_case(buffers, axes, seed, case_idx)
+            run_case(buffers, axes, seed, case_idx, dist.group.WORLD, rank)
         except Exception as error:
             raise AssertionError(f"seed={seed} case {case_idx} {axes}: {error}") from error
     for buffer in buffers.values():
         buffer.barrier()
     return len(cases)
+
+
+def hybrid_worker(rank: int, group: dist.ProcessGroup, seed: int, num_cases: int, num_ranks_per_node: int) -> int:
+    """The subset on one virtual rank of a world of virtual nodes, the buffers in hybrid mode."""
+    buffers = make_buffers(group)
+    num_nodes = group.size() // num_ranks_per_node
+    for buffer in buffers.values():
+        assert buffer.get_logical_domain_size() == (num_nodes, num_ranks_per_node), buffer.get_logical_domain_size()
+    for case_idx, axes in enumerate(covering_subset(seed, num_cases)):
+        try:
+            run_case(buffers, axes, seed, case_idx, group, rank, num_ranks_per_node)
+        except Exception as error:
+            raise AssertionError(
+                f"seed={seed} {num_nodes}x{num_ranks_per_node} case {case_idx} {axes}: {error}"
+            ) from error
+    return num_cases
 
 
 def fresh_seed() -> int:
@@ -275,3 +296,16 @@ def test_sweep_subset(num_ranks: int, num_cases: int) -> None:
 def test_sweep_2_gpus_nccl() -> None:
     num_cases = len(full_sweep())
     assert spawn_ranks(sweep_worker, 2, backend="nccl", args=(fresh_seed(), None), timeout_s=600) == [num_cases] * 2
+
+
+@pytest.mark.parametrize("num_nodes,num_ranks_per_node,num_cases", [(2, 4, 8), (2, 8, 4), (4, 4, 4)])
+def test_hybrid_sweep_on_virtual_nodes(num_nodes: int, num_ranks_per_node: int, num_cases: int) -> None:
+    """Hybrid mode (the combine reduces each node's rows first) on the node shapes the kernels' hybrid
+    sweep will use (issue 17), CPU threads as virtual nodes: the oracle those kernels are checked
+    against, checked itself over the sweep's options."""
+    seed = fresh_seed()
+    world = LoopbackWorld(num_nodes * num_ranks_per_node, device="cpu", num_ranks_per_node=num_ranks_per_node)
+    try:
+        assert world.run(hybrid_worker, seed, num_cases, num_ranks_per_node) == [num_cases] * world.num_ranks
+    finally:
+        world.close()
