@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -120,7 +119,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"{args.tag}, slowest rank: " + ", ".join(f"{k} {v:.1f}" for k, v in slowest.items()), flush=True)
     with open(args.runs, "a") as f:
         f.write(json.dumps(dict(tag=args.tag, num_tokens=args.tokens, num_samples=args.samples, slowest=slowest,
-                                per_rank=per_rank)) + "\n")  # fmt: skip
+                                per_rank=per_rank, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                device=torch.cuda.get_device_name())) + "\n")  # fmt: skip
 
 
 def summarize(args: argparse.Namespace) -> None:
@@ -137,8 +137,10 @@ def summarize(args: argparse.Namespace) -> None:
             )  # fmt: skip
         figures[key] = dict(**by_tag, new_over_old_slowest=by_tag["new"]["slowest_us"] / by_tag["old"]["slowest_us"],
                             new_over_old_rank_median=by_tag["new"]["rank_median_us"] / by_tag["old"]["rank_median_us"])  # fmt: skip
-    result = dict(commit=args.commit, old=args.old, command=args.command, hardware=args.hardware,
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
+    # When the runs were made (the first one's date; lines from before runs had one: when they are merged)
+    dates = sorted(r["date"] for r in runs if "date" in r)
+    date = dates[0] if dates else datetime.now(timezone.utc).isoformat(timespec="seconds")
+    result = dict(commit=args.commit, old=args.old, command=args.command, hardware=args.hardware, date=date,
                   note=args.note, figures=figures, runs=runs)  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
