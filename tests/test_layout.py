@@ -152,12 +152,13 @@ def test_records_start_on_lines_where_v2s_record_size_leaves_room(hidden_bytes, 
     assert record.num_bytes % 128 == 0 or lined > records.v2_record_bytes(hidden_bytes, scale_bytes, topk)
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3, 8, 64])
+# Layout columns: ranks, and in hybrid mode ranks plus nodes (64 ranks as 32 nodes of 2: 96)
+@pytest.mark.parametrize("num_columns", [2, 3, 8, 64, 96])
 @pytest.mark.parametrize("num_tokens", [0, 1, 31, 128, 4097, 8192, 65536, 262144])
-def test_token_groups_and_arrival_blocks_fit_the_workspace(num_ranks, num_tokens):
-    group = layout.tokens_per_group(num_tokens, num_ranks)
+def test_token_groups_and_arrival_blocks_fit_the_workspace(num_columns, num_tokens):
+    group = layout.tokens_per_group(num_tokens, num_columns)
     assert group % 32 == 0 and group >= 32
-    assert -(-num_tokens // group) * num_ranks <= layout.MAX_GROUP_INTS  # every CTA keeps them all
+    assert -(-num_tokens // group) * num_columns <= layout.MAX_GROUP_INTS  # every CTA keeps them all
     assert -(-num_tokens // group) <= layout.MAX_GROUPS_PER_RANK  # one warp scans them in one batch
     block = layout.arrival_block(num_tokens)
     assert block >= 32 and -(-num_tokens // block) <= layout.MAX_ARRIVAL_BLOCKS

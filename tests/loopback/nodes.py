@@ -111,3 +111,58 @@ def node_test_specs() -> list:
     found += [kernels.combine_spec(4, NODE_HIDDEN, 8, 1, False, False, transport),
               kernels.combine_epilogue_spec(4, NODE_HIDDEN, 8, 1, False, transport)]  # fmt: skip
     return list(dict.fromkeys(found))
+
+
+def forward_slots(topk_rows: list[list[int]], num_local_experts: int, num_ranks_per_node: int,
+                  num_nodes: int) -> list[list[int]]:  # fmt: skip
+    """Hybrid mode's forward slot of each token per node, by counting in token order: its index among
+    the tokens with an expert on one of the node's ranks, -1 where it has none."""
+    counts, slots = [0] * num_nodes, []
+    for row in topk_rows:
+        nodes = {e // num_local_experts // num_ranks_per_node for e in row if e >= 0}
+        slots.append([counts[n] if n in nodes else -1 for n in range(num_nodes)])
+        for n in nodes:
+            counts[n] += 1
+    return slots
+
+
+def node_slots_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, seed: int) -> int:
+    """Fresh dispatches with hybrid mode's layout on (CPU sync or not, uniform or hot routing, masked
+    lanes or none): each token's forward slot per node against `forward_slots`, and every output,
+    sent directly as before, bitwise against the reference. Returns the dispatches checked."""
+    from kernel_checks import check_dispatch, make_inputs
+    from sweep import NODE_SHAPES
+
+    import deep_ep
+    from deep_ep.host_reads import wait_for_stream
+
+    num_ranks = group.size()
+    num_nodes, (hidden, num_topk, _) = num_ranks // num_ranks_per_node, NODE_SHAPES[num_ranks][0]
+    num_local_experts = 8
+    buffers = [deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=hidden, num_topk=num_topk,
+                                     allow_hybrid_mode=False, backend=backend, explicitly_destroy=True,
+                                     num_gpu_timeout_secs=10) for backend in ("kernels", "reference")]  # fmt: skip
+    kernels, reference = buffers
+    kernels.backend.runtime.num_hybrid_nodes = num_nodes
+    rounds = [(cpu_sync, routing, masked) for cpu_sync in (True, False) for routing, masked in
+              (("uniform", 0.0), ("hot", 0.25))]  # fmt: skip
+    try:
+        for round_idx, (cpu_sync, routing, masked) in enumerate(rounds):
+            num_tokens = [0, 1, 77, 128][(rank + round_idx) % 4]
+            x, topk_idx, weights, _ = make_inputs(rank, num_ranks, num_tokens, hidden, "bf16",
+                                                  num_local_experts * num_ranks, num_topk, routing, masked, 0,
+                                                  seed + round_idx, "cuda")  # fmt: skip
+            kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=num_local_experts * num_ranks,
+                          num_max_tokens_per_rank=128, do_cpu_sync=cpu_sync)  # fmt: skip
+            what = f"round {round_idx} (cpu_sync={cpu_sync}, {routing}, masked {masked}, {num_tokens} tokens)"
+            out_k = kernels.dispatch(x, **kwargs)
+            handle = check_dispatch(out_k, reference.dispatch(x, **kwargs), False, False, what)
+            assert handle is out_k[3]
+            wait_for_stream()
+            got = out_k[3].backend_state.node_slot_idx.tolist()
+            expected = forward_slots(topk_idx.tolist(), num_local_experts, num_ranks_per_node, num_nodes)
+            assert got == expected, f"{what}: forward slots {got[:4]}... != {expected[:4]}..."
+    finally:
+        for buffer in buffers:
+            buffer.destroy()
+    return len(rounds)

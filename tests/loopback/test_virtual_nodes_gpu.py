@@ -115,3 +115,18 @@ def test_the_strict_nic_catches_each_protocol_mistake(mistake: str) -> None:
     assert not any(isinstance(o, LoopbackRankError) for o in failures)
     print(f"\nstrict NIC, {mistake}: {len(failures)} of 4 ranks wrong or failed (seed {seed}); the same run without "
           f"the mistake bitwise right; first: {type(failures[0]).__name__}: {str(failures[0])[:160]}")  # fmt: skip
+
+
+@pytest.mark.parametrize("num_nodes, per_node", [(2, 4), (4, 2), (4, 4)])
+def test_the_layout_numbers_each_tokens_forward_slot_per_node(num_nodes: int, per_node: int) -> None:
+    """Hybrid mode's first piece (issue 17, docs/hybrid.md): a fresh dispatch numbers each token's
+    forward slot per node, in token order, while it still sends directly."""
+    from nodes import node_slots_rank
+
+    seed = _seed()
+    world = _world(num_nodes, per_node, NicOptions(strict=True, seed=seed))
+    checked = world.run(node_slots_rank, per_node, seed)
+    world.close()
+    assert checked == [4] * (num_nodes * per_node)
+    print(f"\nforward slots, {num_nodes}x{per_node} virtual nodes, strict NIC, seed {seed}: {checked[0]} fresh "
+          f"dispatches per rank, slots as counted and outputs bitwise equal to the reference")  # fmt: skip

@@ -37,6 +37,8 @@ class NvlinkDispatchState:
     num_out_rows: int  # rows of recv_x (exact with CPU sync, worst case without)
     num_meta_rows: int  # rows of recv_src_metadata
     num_expanded_rows: int  # rows of the expanded layout (reported in both modes)
+    # Hybrid mode: [num_tokens, num_nodes] int32, each token's forward slot per node (-1: none); else None
+    node_slot_idx: torch.Tensor | None = None
 
 
 def _dispatch_outputs(
@@ -154,7 +156,8 @@ def run_dispatch(
     max_recv = runtime.num_ranks * num_max_tokens_per_rank
     empty = runtime.share.empty
 
-    counts_list, expand_scratch, dst_slot_idx, num_masked_lanes = None, None, None, None
+    counts_list, expand_scratch, dst_slot_idx, num_masked_lanes, node_slot_idx = None, None, None, None, None
+    num_nodes = runtime.num_hybrid_nodes
     if fresh and masking:
         num_masked_lanes = empty((1,), dtype=torch.int32, device=device)  # written by the dispatch kernel
     if fresh:
@@ -162,6 +165,8 @@ def run_dispatch(
         dst_slot_idx = empty((num_tokens, num_topk), dtype=torch.int32, device=device)
         num_tokens_per_rank = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
         num_recv_per_expert = empty((num_local_experts,), dtype=torch.int32, device=device)
+        if num_nodes:
+            node_slot_idx = empty((num_tokens, num_nodes), dtype=torch.int32, device=device)
         if expand_ranks:
             expand_scratch = runtime.expand_rank_scratch(max_recv * num_topk)
         runtime.num_experts_checked = num_experts
@@ -180,7 +185,8 @@ def run_dispatch(
             runtime.num_ranks, num_max_tokens_per_rank, num_topk, num_local_experts, expert_alignment
         )
         num_out_rows = num_expanded_rows if do_expand else max_recv
-        state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, max_recv, num_expanded_rows)
+        state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, max_recv, num_expanded_rows,
+                                    node_slot_idx)  # fmt: skip
         recv_src_metadata = empty((max_recv, 2 + num_topk), dtype=torch.int32, device=device)
     if state is not None:
         outputs = _dispatch_outputs(runtime, state.num_out_rows, x, x_scales, num_topk, topk_weights is not None,
@@ -196,11 +202,12 @@ def run_dispatch(
         cumulative_stats=data_ptr(cumulative_stats) if fresh else 0, num_masked_lanes=data_ptr(num_masked_lanes),
         num_tokens=num_tokens,
         num_max_tokens_per_rank=num_max_tokens_per_rank, rank=runtime.rank, num_experts_per_rank=num_local_experts,
-        tokens_per_group=tokens_per_group(num_tokens, runtime.num_ranks),
+        tokens_per_group=tokens_per_group(num_tokens, runtime.num_ranks + num_nodes),
         tokens_per_task=rows_per_task(num_tokens, num_sms, 4), arrival_block=arrival_slots, op_hash=op_hash,
         error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns,
         counts_ready=data_ptr(runtime.counts_ready) if counts_sequence else 0,
-        counts_sequence=counts_sequence, counts_before_sends=int(not runtime.mask_on_timeout))  # fmt: skip
+        counts_sequence=counts_sequence, counts_before_sends=int(not runtime.mask_on_timeout),
+        node_slot_idx=data_ptr(node_slot_idx), num_hybrid_nodes=num_nodes if fresh else 0)  # fmt: skip
     # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
     # makes the driver guarantee it (or refuse), whatever else holds SMs (an emulated NIC's CTA too)
     dispatch_kernel.launch(grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
@@ -234,7 +241,7 @@ def run_dispatch(
                 num_expanded_rows = sum(counts_list)
                 num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
                 state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_recv_tokens,
-                                            num_expanded_rows)  # fmt: skip
+                                            num_expanded_rows, node_slot_idx)  # fmt: skip
                 recv_src_metadata = empty((num_recv_tokens, 2 + num_topk), dtype=torch.int32, device=device)
                 outputs = _dispatch_outputs(runtime, num_out_rows, x, x_scales, num_topk, topk_weights is not None,
                                             do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip

@@ -89,11 +89,11 @@ def arrival_block(num_max_tokens_per_rank: int) -> int:
     return max(32, -(-num_max_tokens_per_rank // MAX_ARRIVAL_BLOCKS))
 
 
-def tokens_per_group(num_tokens: int, num_ranks: int) -> int:
+def tokens_per_group(num_tokens: int, num_columns: int) -> int:
     """Tokens per layout group of a fresh dispatch: the smallest multiple of 32 (one warp ballot)
-    for which there are at most `MAX_GROUPS_PER_RANK` groups, and groups x ranks fit the
-    `MAX_GROUP_INTS` first slots that every dispatch CTA keeps in shared memory. Small groups are
-    cheap: a sending warp scans its group up to its own tokens."""
+    for which there are at most `MAX_GROUPS_PER_RANK` groups, and groups x columns (the ranks, and in
+    hybrid mode the nodes) fit the `MAX_GROUP_INTS` first slots that every dispatch CTA keeps in
+    shared memory. Small groups are cheap: a sending warp scans its group up to its own tokens."""
     num_pieces = -(-max(num_tokens, 1) // 32)
-    max_groups = min(MAX_GROUPS_PER_RANK, MAX_GROUP_INTS // num_ranks)
+    max_groups = min(MAX_GROUPS_PER_RANK, MAX_GROUP_INTS // num_columns)
     return 32 * -(-num_pieces // max_groups)

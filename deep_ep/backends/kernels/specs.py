@@ -54,6 +54,8 @@ class DispatchArgs(ctypes.Structure):
         ("counts_ready", ctypes.c_uint64),
         ("counts_sequence", ctypes.c_uint64),
         ("counts_before_sends", ctypes.c_int),
+        ("node_slot_idx", ctypes.c_uint64),
+        ("num_hybrid_nodes", ctypes.c_int),
     ]
 
 

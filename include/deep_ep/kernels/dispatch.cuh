@@ -75,7 +75,22 @@ struct DispatchArgs {
     uint64_t* counts_ready;    // with `counts_out`: set to `counts_sequence` (mapped host memory) once they are there
     uint64_t counts_sequence;  // this CPU-sync dispatch's number on the rank, never 0
     int counts_before_sends;   // with `counts_ready`: the count CTA waits for the counts before its sends
+    // Hybrid mode (remote transports only): per token and node, the token's index among our tokens
+    // that reach the node (-1: none), `[num_tokens, num_hybrid_nodes]`; with 0 nodes (direct mode), null
+    int* node_slot_idx;
+    int num_hybrid_nodes;
 };
+
+// The nodes (bit n) whose ranks include one of `ranks` (bit d): `num_nodes` nodes of `kNumRanks / num_nodes`
+template <int kNumRanks>
+__device__ __forceinline__ uint32_t token_node_mask(uint64_t ranks, int num_nodes) {
+    const int num_ranks_per_node = kNumRanks / num_nodes;
+    const uint64_t node_ranks = num_ranks_per_node >= 64 ? ~0ull : (1ull << num_ranks_per_node) - 1;
+    uint32_t nodes = 0;
+    for (int n = 0; n < num_nodes; ++n)
+        if ((ranks >> (n * num_ranks_per_node)) & node_ranks) nodes |= 1u << n;
+    return nodes;
+}
 
 // The destination ranks of token t (bit d: one of its experts lives on d, and d is not among
 // `dropped_ranks`); sets `is_bad` for an expert id outside [-1, num_experts) or an expert repeated
@@ -188,12 +203,16 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     const int num_groups = ceil_div(num_tokens, tokens_per_group);
     auto group_end = [&](int g) { return min(num_tokens, (g + 1) * tokens_per_group); };
     bool is_bad = false;
+    // The layout's columns: the destination ranks, then in hybrid mode the nodes, whose slots number
+    // our tokens to each node (where they wait at its forwarder)
+    const int num_nodes = Transport::kHasRemote ? args.num_hybrid_nodes : 0;
+    const int num_columns = kNumRanks + num_nodes;
 
     if constexpr (not kCached) {
         int* scratch = args.layout_scratch;
         // The grid barrier's tag: this operation's epoch, which no earlier fresh dispatch of the buffer had
         const int barrier_tag = static_cast<int>(static_cast<unsigned>(epoch) + 1u);
-        int* group_counts = scratch + kScratchGroupCounts;  // [group][rank]
+        int* group_counts = scratch + kScratchGroupCounts;  // [group][column]
         // Tokens per expert are counted per CTA in shared memory, then added to the device-wide
         // counters once per (CTA, expert): the counters of all experts share a few L2 lines, whose
         // slices serialize atomics (one per (token, lane) made the count pass slow: bench/NOTES.md).
@@ -206,6 +225,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         int num_dropped = 0;  // by this lane (rank masking)
         for (int g = channel * kNumWarps + warp_idx; g < num_groups; g += num_channels * kNumWarps) {
             int num_hits[kRanksPerLane] = {};
+            int num_node_hits = 0;  // lane n: node n's
             for (int base = g * tokens_per_group; base < group_end(g); base += 32) {
                 const int t = base + lane_idx;
                 bool is_bad_row = false;
@@ -237,10 +257,19 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                     const int hits = __popc(__ballot_sync(0xffffffff, (ranks >> d) & 1));
                     if (lane_idx == d % 32) num_hits[d / 32] += hits;
                 }
+                if constexpr (Transport::kHasRemote) {
+                    const uint32_t nodes = num_nodes > 0 ? token_node_mask<kNumRanks>(ranks, num_nodes) : 0;
+                    for (int n = 0; n < num_nodes; ++n) {
+                        const int hits = __popc(__ballot_sync(0xffffffff, (nodes >> n) & 1));
+                        if (lane_idx == n) num_node_hits += hits;
+                    }
+                }
             }
 #pragma unroll
             for (int j = 0; j < kRanksPerLane; ++j)
-                if (j * 32 + lane_idx < kNumRanks) group_counts[g * kNumRanks + j * 32 + lane_idx] = num_hits[j];
+                if (j * 32 + lane_idx < kNumRanks) group_counts[g * num_columns + j * 32 + lane_idx] = num_hits[j];
+            if constexpr (Transport::kHasRemote)
+                if (lane_idx < num_nodes) group_counts[g * num_columns + kNumRanks + lane_idx] = num_node_hits;
         }
         if constexpr (kRankMasking)
             if (num_dropped != 0) atomicAdd(scratch + kScratchMaskedLanes, num_dropped);
@@ -260,12 +289,12 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         int any_bad = 0;
         for (int c = threadIdx.x; c < num_channels; c += kNumThreads)
             any_bad |= __ldcg(scratch + kScratchChannelBad + c);
-        for (int d = warp_idx; d < kNumRanks; d += kNumWarps) {
+        for (int d = warp_idx; d < num_columns; d += kNumWarps) {
             int counts[kGroupsPerLane];
 #pragma unroll
             for (int k = 0; k < kGroupsPerLane; ++k) {
                 const int g = lane_idx * kGroupsPerLane + k;
-                counts[k] = g < num_groups ? __ldcg(group_counts + g * kNumRanks + d) : 0;
+                counts[k] = g < num_groups ? __ldcg(group_counts + g * num_columns + d) : 0;
             }
             int lane_sum = 0;
 #pragma unroll
@@ -280,10 +309,10 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
 #pragma unroll
             for (int k = 0; k < kGroupsPerLane; ++k) {
                 const int g = lane_idx * kGroupsPerLane + k;
-                if (g < num_groups) group_base[g * kNumRanks + d] = first;
+                if (g < num_groups) group_base[g * num_columns + d] = first;
                 first += counts[k];
             }
-            if (lane_idx == 31) rank_total[d] = inclusive;
+            if (lane_idx == 31 and (not Transport::kHasRemote or d < kNumRanks)) rank_total[d] = inclusive;
         }
         is_bad = __syncthreads_or(any_bad);
         if constexpr (kRankMasking) {
@@ -305,6 +334,10 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                 for (int64_t j = static_cast<int64_t>(channel) * kNumThreads + threadIdx.x;
                      j < static_cast<int64_t>(num_tokens) * kNumTopk; j += stride)
                     args.dst_slot_idx[j] = -1;
+            if constexpr (Transport::kHasRemote)
+                for (int64_t j = static_cast<int64_t>(channel) * kNumThreads + threadIdx.x;
+                     j < static_cast<int64_t>(num_tokens) * num_nodes; j += stride)
+                    args.node_slot_idx[j] = -1;
             if (channel == 0)
                 report_invalid_topk<kNumTopk>(args.topk_idx, num_tokens,
                                               static_cast<int64_t>(num_local_experts) * kNumRanks, args.error_block);
@@ -447,7 +480,10 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
             int num_before[kRanksPerLane];
 #pragma unroll
             for (int j = 0; j < kRanksPerLane; ++j)
-                num_before[j] = j * 32 + lane_idx < kNumRanks ? group_base[g * kNumRanks + j * 32 + lane_idx] : 0;
+                num_before[j] = j * 32 + lane_idx < kNumRanks ? group_base[g * num_columns + j * 32 + lane_idx] : 0;
+            int node_before = 0;  // lane n: node n's
+            if constexpr (Transport::kHasRemote)
+                if (lane_idx < num_nodes) node_before = group_base[g * num_columns + kNumRanks + lane_idx];
             for (int base = g * tokens_per_group; base < task_begin; base += 32) {
                 const int t = base + lane_idx;
                 bool unused = false;
@@ -458,6 +494,13 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                 for (int d = 0; d < kNumRanks; ++d) {
                     const int hits = __popc(__ballot_sync(0xffffffff, (ranks >> d) & 1));
                     if (lane_idx == d % 32) num_before[d / 32] += hits;
+                }
+                if constexpr (Transport::kHasRemote) {
+                    const uint32_t nodes = num_nodes > 0 ? token_node_mask<kNumRanks>(ranks, num_nodes) : 0;
+                    for (int n = 0; n < num_nodes; ++n) {
+                        const int hits = __popc(__ballot_sync(0xffffffff, (nodes >> n) & 1));
+                        if (lane_idx == n) node_before += hits;
+                    }
                 }
             }
             const int t = task_begin + lane_idx;
@@ -474,6 +517,17 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                 if (t < task_end)
                     args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] =
                         hit ? first + __popc(hits & lanes_below) : -1;
+            }
+            if constexpr (Transport::kHasRemote) {
+                const uint32_t nodes = num_nodes > 0 ? token_node_mask<kNumRanks>(ranks, num_nodes) : 0;
+                for (int n = 0; n < num_nodes; ++n) {
+                    const bool hit = (nodes >> n) & 1;
+                    const uint32_t hits = __ballot_sync(0xffffffff, hit);
+                    const int first = __shfl_sync(0xffffffff, node_before, n);
+                    if (t < task_end)
+                        args.node_slot_idx[static_cast<int64_t>(t) * num_nodes + n] =
+                            hit ? first + __popc(hits & lanes_below) : -1;
+                }
             }
             if (t < task_end and args.dst_slot_idx != nullptr) {
                 // V2's encoding: `rank * Tmax + slot` at the destination, on the token's highest lane
