@@ -93,8 +93,8 @@ def mistake_rank(rank: int, group: dist.ProcessGroup, seed: int, num_rounds: int
 
 def node_test_specs() -> list:
     """Every kernel specialisation the virtual-node GPU tests launch, over both NIC modes: the sweep's
-    (`NODE_SHAPES`: the graph replays and the stalled node use its 8-rank shape) and the protocol
-    mistakes' (4 ranks, hidden 2560, top-8, BF16; strict NIC)."""
+    (`NODE_SHAPES`: the graph replays and the stalled node use its 8-rank shape), the protocol
+    mistakes' (4 ranks, hidden 2560, top-8, BF16; strict NIC) and the forward slots' fresh dispatch."""
     from kernel_checks import row_bytes
     from sweep import NODE_LOCAL_EXPERTS, NODE_SHAPES, kernel_specs
 
@@ -110,6 +110,10 @@ def node_test_specs() -> list:
     found += [kernels.dispatch_epilogue_spec(*shape, False, False, transport)]
     found += [kernels.combine_spec(4, NODE_HIDDEN, 8, 1, False, False, transport),
               kernels.combine_epilogue_spec(4, NODE_HIDDEN, 8, 1, False, transport)]  # fmt: skip
+    # The forward slots' fresh dispatch (hybrid mode's layout), the BF16 shape of each world size, strict NIC
+    for num_ranks, ((hidden, num_topk, _),) in NODE_SHAPES.items():
+        found.append(kernels.dispatch_spec(num_ranks, *row_bytes("bf16", hidden), num_topk, False, False,
+                                           "hybrid-emulated-strict"))  # fmt: skip
     return list(dict.fromkeys(found))
 
 

@@ -70,7 +70,8 @@ def _dispatch_outputs(
 def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, num_topk: int,
                    num_max_tokens_per_rank: int, fresh: bool, do_expand: bool, num_sms: int) -> LaunchPlan:  # fmt: skip
     """The plan of a dispatch shape, made (capacity checked, kernels loaded) the first time it runs."""
-    key = ("dispatch", hidden_bytes, scale_bytes, num_topk, num_max_tokens_per_rank, fresh, do_expand, num_sms)
+    hybrid = fresh and runtime.num_hybrid_nodes > 0  # so far only the fresh layout has a hybrid part
+    key = ("dispatch", hidden_bytes, scale_bytes, num_topk, num_max_tokens_per_rank, fresh, do_expand, num_sms, hybrid)
     plan = runtime.plans.get(key)
     if plan is not None:
         return plan
@@ -85,7 +86,9 @@ def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, 
     grid = runtime.comm_grid(num_sms)
     if runtime.scaleout is not None:  # every token's record staged at its own place for remote destinations
         check_staging(runtime.scaleout.ring_bytes, num_max_tokens_per_rank * record.num_bytes, "dispatch")
-    kernel_specs = [specs.dispatch_spec(*args_common, not fresh, masking, transport)]
+    kernel_specs = [
+        specs.dispatch_spec(*args_common, not fresh, masking, f"hybrid-{transport}" if hybrid else transport)
+    ]
     if fresh and do_expand:
         kernel_specs.append(specs.dispatch_expand_rank_spec(*args_common, masking, transport))
     kernel_specs.append(specs.dispatch_epilogue_spec(*args_common, do_expand, masking, transport))

@@ -217,8 +217,9 @@ class NvlinkRuntime:
         # Peers outside the scale-up domain: a scale-out region after the data region (scaleout.cuh),
         # whose staging ring gives each warp of the largest grid its entries
         self.num_scaleup_ranks = transport.num_scaleup_ranks
-        # Hybrid mode's nodes (0: direct mode). Only the layout of a fresh dispatch has it so far: it
-        # numbers each token's forward slot per node (the handle's `node_slot_idx`); the sends are direct
+        # Hybrid mode's nodes (0: direct mode). Only a fresh dispatch's layout has a hybrid part so far
+        # (its kernel over `hybrid-<transport>`): each token's forward slot per node, in the handle's
+        # `node_slot_idx`; the sends are direct
         self.num_hybrid_nodes = 0
         self.scaleout: ScaleoutRegion | None = None
         window_bytes = num_bytes

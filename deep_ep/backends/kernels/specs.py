@@ -181,21 +181,27 @@ GIN_BACKENDS = ("PROXY", "GDAKI", "GPI", "EFA_GDA")
 # The transports of the communication kernels and their epilogues (docs/transport.md): LSA only (one
 # scale-up domain), the emulated NIC of virtual nodes, or NCCL GIN built for one of its backends
 TRANSPORTS = ("lsa", *EMULATED_TRANSPORTS, *(f"gin-{b.lower()}" for b in GIN_BACKENDS))
+# Hybrid mode over a transport with remote peers (hybrid.cuh): `hybrid-` and its name
+HYBRID_TRANSPORTS = tuple(f"hybrid-{t}" for t in TRANSPORTS if t != "lsa")
 
 
 def transport_type(transport: str) -> str:
-    """The C++ type of `transport` (one of `TRANSPORTS`), the kernels' `Transport` template argument."""
+    """The C++ type of `transport` (one of `TRANSPORTS` or `HYBRID_TRANSPORTS`), the kernels' `Transport`
+    template argument."""
+    if transport in HYBRID_TRANSPORTS:
+        return f"deep_ep::transport::Hybrid<{transport_type(transport.removeprefix('hybrid-'))}>"
     if transport == "lsa":
         return "deep_ep::transport::Lsa"
     if transport in EMULATED_TRANSPORTS:
         return f"deep_ep::transport::Emulated<{'true' if transport == 'emulated-strict' else 'false'}>"
     if transport in TRANSPORTS:
         return "deep_ep::transport::Gin"
-    raise ValueError(f"kernel specs: `transport` must be one of {TRANSPORTS}, got {transport!r}")
+    raise ValueError(f"kernel specs: `transport` must be one of {TRANSPORTS + HYBRID_TRANSPORTS}, got {transport!r}")
 
 
 def _with_transport(spec: KernelSpec, transport: str) -> KernelSpec:
     """`spec` built for `transport`: a GIN one against the NCCL headers, with only its backend on."""
+    transport = transport.removeprefix("hybrid-")
     if not transport.startswith("gin-"):
         return spec
     backend = transport.removeprefix("gin-").upper()

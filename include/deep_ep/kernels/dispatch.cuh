@@ -75,7 +75,7 @@ struct DispatchArgs {
     uint64_t* counts_ready;    // with `counts_out`: set to `counts_sequence` (mapped host memory) once they are there
     uint64_t counts_sequence;  // this CPU-sync dispatch's number on the rank, never 0
     int counts_before_sends;   // with `counts_ready`: the count CTA waits for the counts before its sends
-    // Hybrid mode (remote transports only): per token and node, the token's index among our tokens
+    // Hybrid mode (hybrid.cuh): per token and node, the token's index among our tokens
     // that reach the node (-1: none), `[num_tokens, num_hybrid_nodes]`; with 0 nodes (direct mode), null
     int* node_slot_idx;
     int num_hybrid_nodes;
@@ -205,7 +205,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     bool is_bad = false;
     // The layout's columns: the destination ranks, then in hybrid mode the nodes, whose slots number
     // our tokens to each node (where they wait at its forwarder)
-    const int num_nodes = Transport::kHasRemote ? args.num_hybrid_nodes : 0;
+    const int num_nodes = Transport::kHybrid ? args.num_hybrid_nodes : 0;
     const int num_columns = kNumRanks + num_nodes;
 
     if constexpr (not kCached) {
@@ -257,7 +257,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                     const int hits = __popc(__ballot_sync(0xffffffff, (ranks >> d) & 1));
                     if (lane_idx == d % 32) num_hits[d / 32] += hits;
                 }
-                if constexpr (Transport::kHasRemote) {
+                if constexpr (Transport::kHybrid) {
                     const uint32_t nodes = num_nodes > 0 ? token_node_mask<kNumRanks>(ranks, num_nodes) : 0;
                     for (int n = 0; n < num_nodes; ++n) {
                         const int hits = __popc(__ballot_sync(0xffffffff, (nodes >> n) & 1));
@@ -268,7 +268,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
 #pragma unroll
             for (int j = 0; j < kRanksPerLane; ++j)
                 if (j * 32 + lane_idx < kNumRanks) group_counts[g * num_columns + j * 32 + lane_idx] = num_hits[j];
-            if constexpr (Transport::kHasRemote)
+            if constexpr (Transport::kHybrid)
                 if (lane_idx < num_nodes) group_counts[g * num_columns + kNumRanks + lane_idx] = num_node_hits;
         }
         if constexpr (kRankMasking)
@@ -312,7 +312,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                 if (g < num_groups) group_base[g * num_columns + d] = first;
                 first += counts[k];
             }
-            if (lane_idx == 31 and (not Transport::kHasRemote or d < kNumRanks)) rank_total[d] = inclusive;
+            if (lane_idx == 31 and (not Transport::kHybrid or d < kNumRanks)) rank_total[d] = inclusive;
         }
         is_bad = __syncthreads_or(any_bad);
         if constexpr (kRankMasking) {
@@ -334,7 +334,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                 for (int64_t j = static_cast<int64_t>(channel) * kNumThreads + threadIdx.x;
                      j < static_cast<int64_t>(num_tokens) * kNumTopk; j += stride)
                     args.dst_slot_idx[j] = -1;
-            if constexpr (Transport::kHasRemote)
+            if constexpr (Transport::kHybrid)
                 for (int64_t j = static_cast<int64_t>(channel) * kNumThreads + threadIdx.x;
                      j < static_cast<int64_t>(num_tokens) * num_nodes; j += stride)
                     args.node_slot_idx[j] = -1;
@@ -482,7 +482,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
             for (int j = 0; j < kRanksPerLane; ++j)
                 num_before[j] = j * 32 + lane_idx < kNumRanks ? group_base[g * num_columns + j * 32 + lane_idx] : 0;
             int node_before = 0;  // lane n: node n's
-            if constexpr (Transport::kHasRemote)
+            if constexpr (Transport::kHybrid)
                 if (lane_idx < num_nodes) node_before = group_base[g * num_columns + kNumRanks + lane_idx];
             for (int base = g * tokens_per_group; base < task_begin; base += 32) {
                 const int t = base + lane_idx;
@@ -495,7 +495,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                     const int hits = __popc(__ballot_sync(0xffffffff, (ranks >> d) & 1));
                     if (lane_idx == d % 32) num_before[d / 32] += hits;
                 }
-                if constexpr (Transport::kHasRemote) {
+                if constexpr (Transport::kHybrid) {
                     const uint32_t nodes = num_nodes > 0 ? token_node_mask<kNumRanks>(ranks, num_nodes) : 0;
                     for (int n = 0; n < num_nodes; ++n) {
                         const int hits = __popc(__ballot_sync(0xffffffff, (nodes >> n) & 1));
@@ -518,7 +518,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                     args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] =
                         hit ? first + __popc(hits & lanes_below) : -1;
             }
-            if constexpr (Transport::kHasRemote) {
+            if constexpr (Transport::kHybrid) {
                 const uint32_t nodes = num_nodes > 0 ? token_node_mask<kNumRanks>(ranks, num_nodes) : 0;
                 for (int n = 0; n < num_nodes; ++n) {
                     const bool hit = (nodes >> n) & 1;

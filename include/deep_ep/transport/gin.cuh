@@ -22,6 +22,7 @@ namespace deep_ep::transport {
 struct Gin {
     static constexpr bool kHasNic = false;    // no NIC of ours to run (emulated.cuh has one)
     static constexpr bool kHasRemote = true;  // the ranks of other nodes
+    static constexpr bool kHybrid = false;  // hybrid.cuh
 
     struct Args {
         ncclDevComm comm;     // the device communicator of a communicator of our own (never torch's)
