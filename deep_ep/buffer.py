@@ -242,13 +242,16 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                 f"limits), got {self.num_scaleout_ranks} nodes of {self.num_scaleup_ranks} ranks; pass "
                 "allow_hybrid_mode=False for direct mode"
             )
-        if self.num_scaleout_ranks > 1 and not backend_class.supports_hybrid_mode:
+        hybrid_unsupported = self.num_scaleout_ranks > 1 and backend_class.hybrid_mode_unsupported_reason(
+            flags["allow_multiple_reduction"], bool(enable_rank_masking)
+        )
+        if hybrid_unsupported:
             # Hybrid mode's combine rounds per host first: a backend without it would give other bits
             if backend != "auto":
                 raise ValueError(
-                    f"{op}: `backend`={backend!r} has no hybrid mode (the group spans {self.num_scaleout_ranks} "
-                    "hosts and `allow_hybrid_mode` is True); pass allow_hybrid_mode=False for direct mode, or "
-                    "backend='reference'"
+                    f"{op}: `backend`={backend!r} cannot serve hybrid mode here: {hybrid_unsupported} (the group "
+                    f"spans {self.num_scaleout_ranks} hosts and `allow_hybrid_mode` is True); pass "
+                    "allow_hybrid_mode=False for direct mode, or backend='reference'"
                 )
             backend_class = select_backend_class(group, "reference")
         if num_bytes is None:

@@ -51,6 +51,10 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kBarrierPassedOffset == {layout.BARRIER_PASSED_OFFSET});",
         f"static_assert(deep_ep::kRemoteArrivalOffset == {layout.REMOTE_ARRIVAL_OFFSET});",
         f"static_assert(deep_ep::kCountStagingOffset == {layout.COUNT_STAGING_OFFSET});",
+        f"static_assert(deep_ep::kForwardExpertCountOffset == {layout.FORWARD_EXPERT_COUNT_OFFSET});",
+        f"static_assert(deep_ep::kForwardCountFlagOffset == {layout.FORWARD_COUNT_FLAG_OFFSET});",
+        f"static_assert(deep_ep::kForwardRecordFlagOffset == {layout.FORWARD_RECORD_FLAG_OFFSET});",
+        f"static_assert(deep_ep::kForwardArrivalOffset == {layout.FORWARD_ARRIVAL_OFFSET});",
         f"static_assert(deep_ep::kStagingRingOffset == {layout.STAGING_RING_OFFSET});",
         f"static_assert(deep_ep::kRecvExpertCountOffset == {layout.RECV_EXPERT_COUNT_OFFSET});",
         f"static_assert(deep_ep::kArrivalOffset == {layout.ARRIVAL_OFFSET});",
@@ -93,7 +97,9 @@ def _assertions(offset_delta: int = 0) -> str:
                     "operation mismatch (the ranks ran different sequences of operations)": "kPhaseOpMismatch",
                     "epilogue entry (peer's operation signature)": "kPhaseOpSignature",
                     "host error (a rank raised inside an operation or rejected its input)": "kPhaseHostError",
-                    "transport deadline (the emulated NIC or a flush of the puts passed it)": "kPhaseNic"}[name]  # fmt: skip
+                    "transport deadline (the emulated NIC or a flush of the puts passed it)": "kPhaseNic",
+                    "forwarder's counts (hybrid mode: a source's counts for our node)": "kPhaseForwardCounts",
+                    "forwarder's arrivals (hybrid mode: a source's records for our node)": "kPhaseForwardArrival"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")
     return "\n".join(lines)
 

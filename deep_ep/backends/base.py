@@ -398,6 +398,11 @@ class EPBackend(abc.ABC):
     # reduced first, `BufferConfig.num_scaleup_ranks`); else only direct mode
     supports_hybrid_mode: ClassVar[bool] = True
 
+    @classmethod
+    def hybrid_mode_unsupported_reason(cls, allow_multiple_reduction: bool, enable_rank_masking: bool) -> str | None:
+        """Why this backend cannot serve hybrid mode with these flags, or None when it can."""
+        return None if cls.supports_hybrid_mode else "it has no hybrid mode"
+
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         self.group = group
         self.config = config

@@ -94,7 +94,7 @@ def mistake_rank(rank: int, group: dist.ProcessGroup, seed: int, num_rounds: int
 def node_test_specs() -> list:
     """Every kernel specialisation the virtual-node GPU tests launch, over both NIC modes: the sweep's
     (`NODE_SHAPES`: the graph replays and the stalled node use its 8-rank shape), the protocol
-    mistakes' (4 ranks, hidden 2560, top-8, BF16; strict NIC) and the forward slots' fresh dispatch."""
+    mistakes' (4 ranks, hidden 2560, top-8, BF16; strict NIC) and hybrid mode's fresh dispatch."""
     from kernel_checks import row_bytes
     from sweep import NODE_LOCAL_EXPERTS, NODE_SHAPES, kernel_specs
 
@@ -110,10 +110,10 @@ def node_test_specs() -> list:
     found += [kernels.dispatch_epilogue_spec(*shape, False, False, transport)]
     found += [kernels.combine_spec(4, NODE_HIDDEN, 8, 1, False, False, transport),
               kernels.combine_epilogue_spec(4, NODE_HIDDEN, 8, 1, False, transport)]  # fmt: skip
-    # The forward slots' fresh dispatch (hybrid mode's layout), the BF16 shape of each world size, strict NIC
+    # Hybrid mode's fresh dispatch, the BF16 shape of each world size, both NIC modes
     for num_ranks, ((hidden, num_topk, _),) in NODE_SHAPES.items():
-        found.append(kernels.dispatch_spec(num_ranks, *row_bytes("bf16", hidden), num_topk, False, False,
-                                           "hybrid-emulated-strict"))  # fmt: skip
+        found += [kernels.dispatch_spec(num_ranks, *row_bytes("bf16", hidden), num_topk, False, False,
+                                        f"hybrid-emulated-{mode}") for mode in ("eager", "strict")]  # fmt: skip
     return list(dict.fromkeys(found))
 
 
@@ -130,42 +130,97 @@ def forward_slots(topk_rows: list[list[int]], num_local_experts: int, num_ranks_
     return slots
 
 
-def node_slots_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, seed: int) -> int:
-    """Fresh dispatches with hybrid mode's layout on (CPU sync or not, uniform or hot routing, masked
-    lanes or none): each token's forward slot per node against `forward_slots`, and every output,
-    sent directly as before, bitwise against the reference. Returns the dispatches checked."""
+def hot_node_routing(num_tokens: int, num_experts: int, num_topk: int, num_node_experts: int, hot_node: int,
+                     gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """`[num_tokens, num_topk]` int64 expert ids: half the tokens (at random) take all their experts
+    on `hot_node` (`num_node_experts` experts per node), the others any experts."""
+    rows = []
+    for _ in range(num_tokens):
+        if torch.rand((), generator=gen) < 0.5:
+            row = hot_node * num_node_experts + torch.randperm(num_node_experts, generator=gen)[:num_topk]
+        else:
+            row = torch.randperm(num_experts, generator=gen)[:num_topk]
+        rows.append(row)
+    return torch.stack(rows) if rows else torch.empty((0, num_topk), dtype=torch.int64)
+
+
+def expected_nic_bytes(topk_rows: list[list[int]], num_local_experts: int, num_ranks: int, num_ranks_per_node: int,
+                       rank: int, record_bytes: int) -> tuple[int, int]:  # fmt: skip
+    """`(bytes, puts)` a hybrid fresh dispatch of `rank` hands to the NIC: per (token, remote node it
+    goes to) its forward record (record and header, two puts), per remote rank its per-expert counts."""
+    node = rank // num_ranks_per_node
+    header = -(-4 * num_ranks_per_node // 16) * 16
+    slots = forward_slots(topk_rows, num_local_experts, num_ranks_per_node, num_ranks // num_ranks_per_node)
+    remote_node_hits = sum(1 for row in slots for n, slot in enumerate(row) if slot >= 0 and n != node)
+    num_remote_ranks = num_ranks - num_ranks_per_node
+    count_bytes = -(-4 * num_local_experts // 16) * 16
+    return (remote_node_hits * (record_bytes + header) + num_remote_ranks * count_bytes,
+            2 * remote_node_hits + num_remote_ranks)  # fmt: skip
+
+
+def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, seed: int) -> int:
+    """Hybrid mode on the kernels (`allow_hybrid_mode`, without multiple reduction): fresh dispatches
+    (CPU sync or not; uniform, masked or hot-node routing) that send each token once per remote node
+    to its forwarder, each checked against the reference bitwise, its forward slots against
+    `forward_slots` and what it handed to the NIC against `expected_nic_bytes`; then a cached dispatch
+    and a combine of its handle, bitwise. Returns the rounds checked."""
     from kernel_checks import check_dispatch, make_inputs
     from sweep import NODE_SHAPES
 
     import deep_ep
     from deep_ep.host_reads import wait_for_stream
+    from deep_ep.records import DispatchRecordLayout
 
     num_ranks = group.size()
     num_nodes, (hidden, num_topk, _) = num_ranks // num_ranks_per_node, NODE_SHAPES[num_ranks][0]
-    num_local_experts = 8
-    buffers = [deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=hidden, num_topk=num_topk,
-                                     allow_hybrid_mode=False, backend=backend, explicitly_destroy=True,
-                                     num_gpu_timeout_secs=10) for backend in ("kernels", "reference")]  # fmt: skip
+    num_local_experts, num_max_tokens = 8, 128
+    num_experts = num_local_experts * num_ranks
+    buffers = [deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden, num_topk=num_topk,
+                                     allow_hybrid_mode=True, allow_multiple_reduction=False, backend=backend,
+                                     explicitly_destroy=True, num_gpu_timeout_secs=10)
+               for backend in ("kernels", "reference")]  # fmt: skip
     kernels, reference = buffers
-    kernels.backend.runtime.num_hybrid_nodes = num_nodes
+    assert kernels.backend.runtime.num_hybrid_nodes == num_nodes, kernels.backend.runtime.num_hybrid_nodes
+    links = kernels.backend.runtime.links
+    record_bytes = DispatchRecordLayout(2 * hidden, 0, num_topk).num_bytes
     rounds = [(cpu_sync, routing, masked) for cpu_sync in (True, False) for routing, masked in
-              (("uniform", 0.0), ("hot", 0.25))]  # fmt: skip
+              (("uniform", 0.0), ("uniform", 0.25), ("hot node", 0.0))]  # fmt: skip
     try:
         for round_idx, (cpu_sync, routing, masked) in enumerate(rounds):
-            num_tokens = [0, 1, 77, 128][(rank + round_idx) % 4]
-            x, topk_idx, weights, _ = make_inputs(rank, num_ranks, num_tokens, hidden, "bf16",
-                                                  num_local_experts * num_ranks, num_topk, routing, masked, 0,
-                                                  seed + round_idx, "cuda")  # fmt: skip
-            kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=num_local_experts * num_ranks,
-                          num_max_tokens_per_rank=128, do_cpu_sync=cpu_sync)  # fmt: skip
+            num_tokens = [0, 1, 77, num_max_tokens][(rank + round_idx) % 4]
+            x, topk_idx, weights, _ = make_inputs(rank, num_ranks, num_tokens, hidden, "bf16", num_experts, num_topk,
+                                                  "uniform", masked, 0, seed + round_idx, "cuda")  # fmt: skip
+            if routing == "hot node":
+                gen = torch.Generator().manual_seed(seed * 31 + round_idx * 7 + rank)
+                hot = hot_node_routing(num_tokens, num_experts, num_topk, num_local_experts * num_ranks_per_node,
+                                       num_nodes - 1, gen)  # fmt: skip
+                topk_idx = hot.to("cuda")
+            kwargs = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts,
+                          num_max_tokens_per_rank=num_max_tokens, do_cpu_sync=cpu_sync)  # fmt: skip
             what = f"round {round_idx} (cpu_sync={cpu_sync}, {routing}, masked {masked}, {num_tokens} tokens)"
-            out_k = kernels.dispatch(x, **kwargs)
-            handle = check_dispatch(out_k, reference.dispatch(x, **kwargs), False, False, what)
-            assert handle is out_k[3]
             wait_for_stream()
-            got = out_k[3].backend_state.node_slot_idx.tolist()
-            expected = forward_slots(topk_idx.tolist(), num_local_experts, num_ranks_per_node, num_nodes)
+            before = links.traffic()
+            out_k = kernels.dispatch(x, **kwargs)
+            wait_for_stream()
+            after = links.traffic()
+            out_r = reference.dispatch(x, **kwargs)
+            handle = check_dispatch(out_k, out_r, False, False, f"{what} fresh dispatch")
+            rows = topk_idx.tolist()
+            got = handle.backend_state.node_slot_idx.tolist()
+            expected = forward_slots(rows, num_local_experts, num_ranks_per_node, num_nodes)
             assert got == expected, f"{what}: forward slots {got[:4]}... != {expected[:4]}..."
+            nic = (after["bytes"] - before["bytes"], after["puts"] - before["puts"])
+            model = expected_nic_bytes(rows, num_local_experts, num_ranks, num_ranks_per_node, rank, record_bytes)
+            assert nic == model, f"{what}: the NIC took (bytes, puts) {nic}, hybrid mode sends {model}"
+            x2 = make_inputs(rank, num_ranks, num_tokens, hidden, "bf16", num_experts, num_topk, "uniform", 0.0, 0,
+                             seed + 100 + round_idx, "cuda")[0]  # fmt: skip
+            check_dispatch(kernels.dispatch(x2, handle=out_k[3]), reference.dispatch(x2, handle=out_r[3]), False,
+                           False, f"{what} cached dispatch")  # fmt: skip
+            gen = torch.Generator().manual_seed(seed * 13 + round_idx * 7 + rank)
+            y = torch.randn((handle.num_recv_tokens, hidden), generator=gen).to(torch.bfloat16).to("cuda")
+            got_y = kernels.combine(y, out_k[3])[0]
+            want_y = reference.combine(y, out_r[3])[0]
+            assert torch.equal(got_y.view(torch.int16), want_y.view(torch.int16)), f"{what}: combine differs"
     finally:
         for buffer in buffers:
             buffer.destroy()

@@ -42,9 +42,10 @@ def num_max_tokens(num_ranks: int) -> int:
 
 
 def kernel_specs(num_ranks: int, transport: str = "lsa", shapes: dict = SHAPES,
-                 local_experts: tuple[int, ...] = LOCAL_EXPERTS) -> list:  # fmt: skip
+                 local_experts: tuple[int, ...] = LOCAL_EXPERTS, hybrid: bool = False) -> list:  # fmt: skip
     """Every kernel specialisation the sweep of `num_ranks` ranks over `transport` can launch (its
-    `shapes` and `local_experts`: `NODE_SHAPES` and `NODE_LOCAL_EXPERTS` across virtual nodes)."""
+    `shapes` and `local_experts`: `NODE_SHAPES` and `NODE_LOCAL_EXPERTS` across virtual nodes), with
+    `hybrid` also hybrid mode's fresh dispatches."""
     from deep_ep.backends.kernels import specs as kernels
 
     specs = [kernels.barrier_spec(num_ranks, transport), kernels.post_fault_spec(transport)]
@@ -52,6 +53,8 @@ def kernel_specs(num_ranks: int, transport: str = "lsa", shapes: dict = SHAPES,
         for dtype in dtypes:
             args = (num_ranks, *row_bytes(dtype, hidden), num_topk)
             specs += [kernels.dispatch_spec(*args, cached, False, transport) for cached in (False, True)]
+            if hybrid:
+                specs.append(kernels.dispatch_spec(*args, False, False, f"hybrid-{transport}"))
             specs.append(kernels.dispatch_expand_rank_spec(*args, False, transport))
             specs += [kernels.dispatch_epilogue_spec(*args, expand, False, transport) for expand in (False, True)]
         rows = {(1, False), (1, True)} | {(min(num_topk, local), True) for local in local_experts}
@@ -207,20 +210,20 @@ def run_case(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any], see
 
 
 def make_buffers(group: Any, num_ranks: int, timeout_s: int = 30, backends: tuple[str, str] = ("kernels", "reference"),
-                 max_tokens: int | None = None) -> dict:  # fmt: skip
+                 max_tokens: int | None = None, hybrid: bool = False) -> dict:  # fmt: skip
     """Per `allow_multiple_reduction`: a buffer of `group` for each of `backends` (the one under test,
     then the one it is compared with; on CPU virtual ranks both can only be the reference), sized for
-    `max_tokens` per rank (default `num_max_tokens(num_ranks)`)."""
+    `max_tokens` per rank (default `num_max_tokens(num_ranks)`), in hybrid mode across the nodes of a
+    virtual-node world with `hybrid`, else in direct mode."""
     import deep_ep
 
     max_tokens = max_tokens or num_max_tokens(num_ranks)
     buffers = {}
     for multiple_reduction in (True, False):
-        # Direct mode also across virtual nodes (the kernels have no hybrid mode yet)
         pair = tuple(
             deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max_tokens, hidden=MAX_HIDDEN,
                                   num_topk=MAX_TOPK, use_fp8_dispatch=False, allow_multiple_reduction=multiple_reduction,
-                                  allow_hybrid_mode=False, backend=backend, explicitly_destroy=True,
+                                  allow_hybrid_mode=hybrid, backend=backend, explicitly_destroy=True,
                                   num_gpu_timeout_secs=timeout_s)
             for backend in backends
         )  # fmt: skip
@@ -229,9 +232,10 @@ def make_buffers(group: Any, num_ranks: int, timeout_s: int = 30, backends: tupl
     return buffers
 
 
-def sweep_rank(rank: int, group: Any, cases: list[dict[str, Any]], seed: int) -> int:
-    """Every case on one rank (the same list on every rank); returns the number of cases."""
-    buffers = make_buffers(group, group.size())
+def sweep_rank(rank: int, group: Any, cases: list[dict[str, Any]], seed: int, hybrid: bool = False) -> int:
+    """Every case on one rank (the same list on every rank), in hybrid mode with `hybrid`; returns the
+    number of cases."""
+    buffers = make_buffers(group, group.size(), hybrid=hybrid)
     try:
         for case in cases:
             try:

@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 # (nodes, ranks per node)
 TOPOLOGIES = ((2, 4), (4, 2), (4, 4), (8, 2))
+# Hybrid mode's (issue 17)
+HYBRID_TOPOLOGIES = ((2, 4), (2, 8), (4, 4))
 # Cases per topology and NIC mode (EP_LOOPBACK_CASES scales them)
 NUM_CASES = max(4, round(14 * float(os.environ.get("EP_LOOPBACK_CASES", "1"))))
 FAULT_TIMEOUT_S = float(os.environ.get("EP_FAULT_TIMEOUT_S", "2"))
@@ -39,29 +41,34 @@ def _world(num_nodes: int, num_ranks_per_node: int, nic: NicOptions, **kwargs) -
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["direct", "hybrid"])
 @pytest.mark.parametrize("mode", ["eager", "strict"])
-def test_the_sweep_across_virtual_nodes_is_bitwise_equal_to_the_reference(mode: str) -> None:
+def test_the_sweep_across_virtual_nodes_is_bitwise_equal_to_the_reference(mode: str, layout: str) -> None:
+    """Direct mode on `TOPOLOGIES`; hybrid mode (issue 17) on `HYBRID_TOPOLOGIES`, against the
+    reference's hybrid model (its combine's node stage)."""
     from deep_ep.jit import compile_many
     from sweep import NODE_LOCAL_EXPERTS, NODE_SHAPES, kernel_specs, make_cases, sweep_rank
 
     seed = _seed()
+    hybrid = layout == "hybrid"
     started = time.monotonic()
     compile_many([spec for n in NODE_SHAPES for spec in kernel_specs(n, f"emulated-{mode}", NODE_SHAPES,
-                                                                          NODE_LOCAL_EXPERTS)])  # fmt: skip
+                                                                          NODE_LOCAL_EXPERTS, hybrid)])  # fmt: skip
     compiled = time.monotonic()
     lines = []
-    for num_nodes, per_node in TOPOLOGIES:
+    topologies = HYBRID_TOPOLOGIES if hybrid else TOPOLOGIES
+    for num_nodes, per_node in topologies:
         num_ranks = num_nodes * per_node
         cases = make_cases(num_ranks, NUM_CASES, seed, NODE_SHAPES, NODE_LOCAL_EXPERTS)
         world = _world(num_nodes, per_node, NicOptions(strict=mode == "strict", seed=seed))
         begin = time.monotonic()
-        counts = world.run(sweep_rank, cases, seed)
+        counts = world.run(sweep_rank, cases, seed, hybrid)
         world.close()
         assert counts == [NUM_CASES] * num_ranks
         lines.append(f"{num_nodes}x{per_node}: {NUM_CASES} cases in {time.monotonic() - begin:.1f} s")
-    print(f"\nvirtual nodes, {mode} NIC, seed {seed}: {len(TOPOLOGIES) * NUM_CASES} configurations bitwise equal to "
-          f"deep_ep.reference in {time.monotonic() - compiled:.1f} s (+{compiled - started:.1f} s compiling): "
-          f"{'; '.join(lines)}")  # fmt: skip
+    print(f"\nvirtual nodes, {layout} mode, {mode} NIC, seed {seed}: {len(topologies) * NUM_CASES} configurations "
+          f"bitwise equal to deep_ep.reference in {time.monotonic() - compiled:.1f} s (+{compiled - started:.1f} s "
+          f"compiling): {'; '.join(lines)}")  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["eager", "strict"])
@@ -117,16 +124,20 @@ def test_the_strict_nic_catches_each_protocol_mistake(mistake: str) -> None:
           f"the mistake bitwise right; first: {type(failures[0]).__name__}: {str(failures[0])[:160]}")  # fmt: skip
 
 
-@pytest.mark.parametrize("num_nodes, per_node", [(2, 4), (4, 2), (4, 4)])
-def test_the_layout_numbers_each_tokens_forward_slot_per_node(num_nodes: int, per_node: int) -> None:
-    """Hybrid mode's first piece (issue 17, docs/hybrid.md): a fresh dispatch numbers each token's
-    forward slot per node, in token order, while it still sends directly."""
-    from nodes import node_slots_rank
+@pytest.mark.parametrize("num_nodes, per_node, mode", [(2, 4, "strict"), (2, 4, "eager"), (4, 2, "strict"),
+                                                     (4, 4, "strict")])  # fmt: skip
+def test_hybrid_dispatch_sends_each_token_once_per_node(num_nodes: int, per_node: int, mode: str) -> None:
+    """Hybrid mode (issue 17, docs/hybrid.md): a fresh dispatch sends each token across the NIC once per
+    remote node, to its forwarder there, which passes it on by stores; outputs bitwise equal to the
+    reference, the NIC's bytes and puts exactly hybrid mode's, then a cached dispatch and a combine."""
+    from nodes import hybrid_rank
 
     seed = _seed()
-    world = _world(num_nodes, per_node, NicOptions(strict=True, seed=seed))
-    checked = world.run(node_slots_rank, per_node, seed)
+    world = _world(num_nodes, per_node, NicOptions(strict=mode == "strict", seed=seed))
+    checked = world.run(hybrid_rank, per_node, seed)
     world.close()
-    assert checked == [4] * (num_nodes * per_node)
-    print(f"\nforward slots, {num_nodes}x{per_node} virtual nodes, strict NIC, seed {seed}: {checked[0]} fresh "
-          f"dispatches per rank, slots as counted and outputs bitwise equal to the reference")  # fmt: skip
+    assert checked == [6] * (num_nodes * per_node)
+    print(
+        f"\nhybrid mode, {num_nodes}x{per_node} virtual nodes, {mode} NIC, seed {seed}: {checked[0]} rounds per rank "
+        "(fresh, cached, combine) bitwise equal to the reference, each token across the NIC once per remote node"
+    )

@@ -26,6 +26,12 @@ from .runtime import NvlinkRuntime
 from .transport import choose_transport, open_transport
 
 
+def hybrid_nodes(config: BufferConfig) -> int:
+    """The nodes of hybrid mode (`config.num_scaleup_ranks` ranks each), or 0 for direct mode."""
+    per_node = config.num_scaleup_ranks
+    return config.num_ranks // per_node if 0 < per_node < config.num_ranks else 0
+
+
 class NvlinkBackend(EPBackend):
     """Dispatch and combine through NCCL symmetric memory and LSA stores over NVLink."""
 
@@ -34,8 +40,16 @@ class NvlinkBackend(EPBackend):
     supports_graph_capture: ClassVar[bool] = True
     supports_rank_masking: ClassVar[bool] = True
     supports_mask_on_timeout: ClassVar[bool] = True
-    # Direct mode across nodes only (hybrid mode is issue 17's)
-    supports_hybrid_mode: ClassVar[bool] = False
+    # Hybrid mode so far: a fresh dispatch sends each token once per remote node (a cached one is
+    # direct, into the same slots); a combine sends its rows directly and the home rank adds them
+    # with hybrid mode's node stage (the same bits as forwarders that sum per node)
+    supports_hybrid_mode: ClassVar[bool] = True
+
+    @classmethod
+    def hybrid_mode_unsupported_reason(cls, allow_multiple_reduction: bool, enable_rank_masking: bool) -> str | None:
+        if enable_rank_masking:
+            return "its hybrid mode does not mask ranks yet (pass enable_rank_masking=False)"
+        return None
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
@@ -48,7 +62,8 @@ class NvlinkBackend(EPBackend):
                                      rank_masking=config.enable_rank_masking,
                                      mask_on_timeout=config.mask_ranks_on_timeout, hidden=config.hidden,
                                      num_topk=config.num_topk,
-                                     ring_entries_per_warp=None if world is None else world.nic.ring_entries_per_warp)  # fmt: skip
+                                     ring_entries_per_warp=None if world is None else world.nic.ring_entries_per_warp,
+                                     num_hybrid_nodes=hybrid_nodes(config))  # fmt: skip
 
     @classmethod
     def is_supported(cls, group: dist.ProcessGroup) -> bool:

@@ -128,7 +128,8 @@ def run_combine(
             num_tokens_per_rank=data_ptr(state.num_tokens_per_rank), num_local_rows=x.shape[0],
             num_tokens=num_tokens, num_max_tokens_per_rank=num_max_tokens_per_rank,
             num_experts_per_rank=num_local_experts, rank=runtime.rank, arrival_block=arrival_slots, op_hash=op_hash,
-            error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
+            error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns,
+            num_ranks_per_node=runtime.num_scaleup_ranks if runtime.num_hybrid_nodes else 0)  # fmt: skip
         grid = runtime.grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
         if before_epilogue is not None:
             before_epilogue()

@@ -25,7 +25,7 @@ from deep_ep.utils.math import align
 from . import specs
 from .layout import arrival_block, tokens_per_group
 from .runtime import LaunchPlan, NvlinkRuntime, data_ptr, rows_per_task
-from .scaleout import check_staging
+from .scaleout import check_forwarding, check_staging
 
 
 @dataclass
@@ -70,7 +70,7 @@ def _dispatch_outputs(
 def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, num_topk: int,
                    num_max_tokens_per_rank: int, fresh: bool, do_expand: bool, num_sms: int) -> LaunchPlan:  # fmt: skip
     """The plan of a dispatch shape, made (capacity checked, kernels loaded) the first time it runs."""
-    hybrid = fresh and runtime.num_hybrid_nodes > 0  # so far only the fresh layout has a hybrid part
+    hybrid = fresh and runtime.num_hybrid_nodes > 0  # cached dispatches are direct so far (the same slots)
     key = ("dispatch", hidden_bytes, scale_bytes, num_topk, num_max_tokens_per_rank, fresh, do_expand, num_sms, hybrid)
     plan = runtime.plans.get(key)
     if plan is not None:
@@ -86,6 +86,9 @@ def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, 
     grid = runtime.comm_grid(num_sms)
     if runtime.scaleout is not None:  # every token's record staged at its own place for remote destinations
         check_staging(runtime.scaleout.ring_bytes, num_max_tokens_per_rank * record.num_bytes, "dispatch")
+    if hybrid:
+        check_forwarding(runtime.scaleout, runtime.num_hybrid_nodes, runtime.num_scaleup_ranks,
+                         num_max_tokens_per_rank, record.num_bytes)  # fmt: skip
     kernel_specs = [
         specs.dispatch_spec(*args_common, not fresh, masking, f"hybrid-{transport}" if hybrid else transport)
     ]

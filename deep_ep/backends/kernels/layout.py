@@ -58,7 +58,13 @@ REMOTE_BARRIER_OFFSET = 3 * MAX_RANKS * 8
 BARRIER_PASSED_OFFSET = 4 * MAX_RANKS * 8
 REMOTE_ARRIVAL_OFFSET = 4096
 COUNT_STAGING_OFFSET = REMOTE_ARRIVAL_OFFSET + MAX_RANKS * MAX_ARRIVAL_BLOCKS * 8
-STAGING_RING_OFFSET = -(-(COUNT_STAGING_OFFSET + MAX_RANKS * MAX_LOCAL_EXPERTS * 4) // (64 << 10)) * (64 << 10)
+# Hybrid mode's forwarding words (forward.cuh): per (source node, local rank) a count flag and the
+# per-expert counts, per source node a flag of its forward records and its arrival counters
+FORWARD_EXPERT_COUNT_OFFSET = COUNT_STAGING_OFFSET + MAX_RANKS * MAX_LOCAL_EXPERTS * 4
+FORWARD_COUNT_FLAG_OFFSET = FORWARD_EXPERT_COUNT_OFFSET + MAX_RANKS * MAX_LOCAL_EXPERTS * 4
+FORWARD_RECORD_FLAG_OFFSET = FORWARD_COUNT_FLAG_OFFSET + MAX_RANKS * 8
+FORWARD_ARRIVAL_OFFSET = FORWARD_RECORD_FLAG_OFFSET + MAX_RANKS * 8
+STAGING_RING_OFFSET = -(-(FORWARD_ARRIVAL_OFFSET + MAX_RANKS * MAX_ARRIVAL_BLOCKS * 8) // (64 << 10)) * (64 << 10)
 
 # Error block words (int64) and the phases a device wait can fail in (fault.cuh). `rank` is the rank
 # whose wait expired, `reporter` the rank that owns the block; the `input_*` words name the first
@@ -79,6 +85,8 @@ PHASES = {
     9: "epilogue entry (peer's operation signature)",
     10: "host error (a rank raised inside an operation or rejected its input)",
     11: "transport deadline (the emulated NIC or a flush of the puts passed it)",
+    12: "forwarder's counts (hybrid mode: a source's counts for our node)",
+    13: "forwarder's arrivals (hybrid mode: a source's records for our node)",
 }
 HOST_ERROR_PHASE = 10
 

@@ -28,7 +28,7 @@ import torch
 from deep_ep.errors import EPError, EPOperationMismatchError, EPPeerError, EPTimeoutError
 from deep_ep.host_reads import wait_for_stream
 from deep_ep.jit import I32, U64, Opaque
-from deep_ep.records import WORKSPACE_BYTES
+from deep_ep.records import WORKSPACE_BYTES, DispatchRecordLayout
 
 from . import specs
 from .layout import (
@@ -90,9 +90,11 @@ class LaunchPlan:
     arrival_slots: int
 
 
-def describe_fault(words: dict[str, int], timeout_s: float, num_ranks_per_node: int | None = None) -> str:
+def describe_fault(words: dict[str, int], timeout_s: float, num_ranks_per_node: int | None = None,
+                   hybrid: bool = False) -> str:  # fmt: skip
     """The text of a device-side failure recorded in an error block (fault.cuh); with nodes of
-    `num_ranks_per_node` ranks (a group across scale-up domains) it says whose node each rank is."""
+    `num_ranks_per_node` ranks (a group across scale-up domains) it says whose node each rank is, and
+    in `hybrid` mode, for a dispatch's wait on a source of another node, which forwarder it came through."""
 
     def who(rank: int) -> str:
         if num_ranks_per_node is None or rank < 0:
@@ -109,7 +111,13 @@ def describe_fault(words: dict[str, int], timeout_s: float, num_ranks_per_node: 
     elif rank == peer and words["phase"] != HOST_ERROR_PHASE:
         text = f"{phase} timed out on {who(rank)} after {timeout_s:g} s"
     else:
-        text = f"{phase} timed out on {who(rank)} waiting for {who(peer)} after {timeout_s:g} s"
+        text = f"{phase} timed out on {who(rank)} waiting for {who(peer)}"
+        forwarded = hybrid and num_ranks_per_node and words["phase"] in _FORWARDED_PHASES
+        if forwarded and rank >= 0 and peer >= 0 and rank // num_ranks_per_node != peer // num_ranks_per_node:
+            # What a source of another node sends reaches us through its forwarder (forward.cuh)
+            forwarder = rank - rank % num_ranks_per_node + peer % num_ranks_per_node
+            text += f" through its forwarder {who(forwarder)}"
+        text += f" after {timeout_s:g} s"
         if words["channel"] >= 0:
             text += f" (channel {words['channel']}, counter {words['observed']}, expected >= {words['expected']})"
     if words["status"] == ERROR_REPORTED_BY_PEER:
@@ -176,7 +184,7 @@ class NvlinkRuntime:
     def __init__(
         self, transport: Transport, num_bytes: int, num_gpu_timeout_secs: float, num_cpu_timeout_secs: float,
         rank_masking: bool = False, mask_on_timeout: bool = False, hidden: int = 0, num_topk: int = 0,
-        ring_entries_per_warp: int | None = None,
+        ring_entries_per_warp: int | None = None, num_hybrid_nodes: int = 0,
     ) -> None:  # fmt: skip
         share = transport.share
         self.share = share
@@ -217,17 +225,22 @@ class NvlinkRuntime:
         # Peers outside the scale-up domain: a scale-out region after the data region (scaleout.cuh),
         # whose staging ring gives each warp of the largest grid its entries
         self.num_scaleup_ranks = transport.num_scaleup_ranks
-        # Hybrid mode's nodes (0: direct mode). Only a fresh dispatch's layout has a hybrid part so far
-        # (its kernel over `hybrid-<transport>`): each token's forward slot per node, in the handle's
-        # `node_slot_idx`; the sends are direct
-        self.num_hybrid_nodes = 0
+        # Hybrid mode's nodes (0: direct mode): a fresh dispatch (its kernel over `hybrid-<transport>`)
+        # sends each token once per remote node, to its forwarder there (forward.cuh); cached
+        # dispatches and combines are direct so far
+        if num_hybrid_nodes and not transport.has_remote_peers:
+            raise ValueError(f"hybrid mode ({num_hybrid_nodes} nodes) needs a transport with remote peers")
+        self.num_hybrid_nodes = num_hybrid_nodes
         self.scaleout: ScaleoutRegion | None = None
         window_bytes = num_bytes
         self._ring_entries_cap = ring_entries_per_warp or 0
         if transport.has_remote_peers:
             entries = ring_entries_per_warp if ring_entries_per_warp is not None else max(2, num_topk or 8)
+            # Hybrid mode: forward records of at least an FP8 record of the buffer's shape
+            min_record_bytes = DispatchRecordLayout(hidden, 0, 1).num_bytes if hidden > 0 else 1024
             self.scaleout = scaleout_region(num_bytes, transport.num_ranks, share.num_sms, entries,
-                                            ring_entry_bytes(hidden, num_topk))  # fmt: skip
+                                            ring_entry_bytes(hidden, num_topk), num_hybrid_nodes,
+                                            min_record_bytes)  # fmt: skip
             window_bytes = self.scaleout.offset + self.scaleout.num_bytes
         # The emulated NIC drains after every wait of its kernel: its deadline is longer than theirs
         self.links = transport.make_links(4 * self.timeout_ns + 10**10)
@@ -280,7 +293,7 @@ class NvlinkRuntime:
                 self._dead_error = EPPeerError
             else:
                 per_node = self.num_scaleup_ranks if self.scaleout is not None else None
-                self.dead_reason = describe_fault(words, self.timeout_ns / 1e9, per_node)
+                self.dead_reason = describe_fault(words, self.timeout_ns / 1e9, per_node, self.num_hybrid_nodes > 0)
                 self._dead_error = EPOperationMismatchError if words["phase"] == _OP_MISMATCH_PHASE else EPTimeoutError
         if self.dead_reason is not None:
             raise self._dead_error(self.dead_reason)

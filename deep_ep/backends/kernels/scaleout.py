@@ -30,13 +30,16 @@ class ScaleoutRegion:
 
     Attributes:
         offset: the region's offset in the window (after the data region; the same on every rank).
-        ring_bytes: the staging's bytes (a dispatch's records, or a combine's ring).
+        ring_bytes: the staging's bytes (a dispatch's records, in hybrid mode then their headers, or
+            a combine's ring).
         num_bytes: the region's bytes (2 MiB aligned).
+        forward_bytes: hybrid mode's forward region, after the staging (0 in direct mode).
     """
 
     offset: int
     ring_bytes: int
     num_bytes: int
+    forward_bytes: int = 0
 
 
 def ring_entry_bytes(hidden: int, num_topk: int) -> int:
@@ -48,16 +51,44 @@ def ring_entry_bytes(hidden: int, num_topk: int) -> int:
     return max(DispatchRecordLayout(2 * hidden, 0, topk).num_bytes, CombineSlotLayout(hidden, topk).num_bytes)
 
 
-def scaleout_region(data_bytes: int, num_ranks: int, max_sms: int, entries_per_warp: int,
-                    entry_bytes: int) -> ScaleoutRegion:  # fmt: skip
+def header_bytes(num_ranks_per_node: int) -> int:
+    """A forward record's header (forward.cuh): one int32 slot per rank of the node, 16-byte aligned."""
+    return align(4 * num_ranks_per_node, 16)
+
+
+def scaleout_region(data_bytes: int, num_ranks: int, max_sms: int, entries_per_warp: int, entry_bytes: int,
+                    num_hybrid_nodes: int = 0, min_record_bytes: int = 0) -> ScaleoutRegion:  # fmt: skip
     """The region of a window whose data region ends at `data_bytes` (the workspace, then one block
     of records per rank), for combines of up to `max_sms` CTAs whose warps each keep
-    `entries_per_warp` entries of `entry_bytes`; a dispatch's records fit one rank's block."""
+    `entries_per_warp` entries of `entry_bytes`; a dispatch's records fit one rank's block.
+    In hybrid mode (`num_hybrid_nodes` > 0) the staging also holds a header per (node, token) and a
+    forward region follows it: one rank's block of records per node, with their headers, for records
+    of at least `min_record_bytes` (so at most one rank's block / `min_record_bytes` tokens)."""
     dispatch_bytes = (data_bytes - WORKSPACE_BYTES) // num_ranks
-    ring_bytes = max(dispatch_bytes, max_sms * WARPS_PER_CTA * entries_per_warp * align(entry_bytes, 16))
+    headers = 0
+    if num_hybrid_nodes:
+        max_tokens = dispatch_bytes // max(min_record_bytes, 16)
+        headers = num_hybrid_nodes * max_tokens * header_bytes(num_ranks // num_hybrid_nodes)
+    ring_bytes = max(dispatch_bytes + headers, max_sms * WARPS_PER_CTA * entries_per_warp * align(entry_bytes, 16))
     ring_bytes = align(ring_bytes, 16)
+    forward_bytes = num_hybrid_nodes * dispatch_bytes + headers
     return ScaleoutRegion(align(data_bytes, BUFFER_ALIGNMENT_BYTES), ring_bytes,
-                          align(STAGING_RING_OFFSET + ring_bytes, BUFFER_ALIGNMENT_BYTES))  # fmt: skip
+                          align(STAGING_RING_OFFSET + ring_bytes + forward_bytes, BUFFER_ALIGNMENT_BYTES),
+                          forward_bytes)  # fmt: skip
+
+
+def check_forwarding(region: ScaleoutRegion, num_nodes: int, num_ranks_per_node: int, num_max_tokens: int,
+                     record_bytes: int) -> None:  # fmt: skip
+    """Raise `ValueError` unless hybrid mode's headers fit the staging after a dispatch's records, and
+    its forward records (one block of `num_max_tokens` per node) the forward region."""
+    headers = num_nodes * num_max_tokens * header_bytes(num_ranks_per_node)
+    check_staging(region.ring_bytes, num_max_tokens * record_bytes + headers, "dispatch (hybrid mode)")
+    needed = num_nodes * num_max_tokens * record_bytes + headers
+    if needed > region.forward_bytes:
+        raise ValueError(
+            f"dispatch (hybrid mode): the forward region holds {region.forward_bytes} bytes and this call's forward "
+            f"records need {needed}; create the buffer with the `hidden` and `num_max_tokens_per_rank` of this call"
+        )
 
 
 def check_staging(ring_bytes: int, num_bytes: int, what: str) -> None:

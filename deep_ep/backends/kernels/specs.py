@@ -137,6 +137,7 @@ class CombineEpilogueArgs(ctypes.Structure):
         ("op_hash", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
+        ("num_ranks_per_node", ctypes.c_int),
     ]
 
 

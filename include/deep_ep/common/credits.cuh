@@ -70,6 +70,9 @@ __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arri
     reset_arrival_counters<kNumRanks>(window, scaleout, arrival_block, num_slots);
     if (clear_recv_counts and threadIdx.x < kNumRanks) count_flags(window)[threadIdx.x] = 0;
     if (threadIdx.x < kNumRanks and scaleout.is_remote(threadIdx.x)) *scaleout.signature(threadIdx.x) = 0;
+    // Hybrid mode's flags of what remote sources sent us to forward (forward.cuh; words nothing
+    // writes in direct mode): read by the communication kernel, which is complete
+    if (threadIdx.x < kNumRanks) scaleout.reset_forward_flags(threadIdx.x);
     int* epoch_word = reinterpret_cast<int*>(window + kEpochOffset);
     const int epoch = static_cast<int>(static_cast<unsigned>(*epoch_word) + 1u);
     __syncthreads();

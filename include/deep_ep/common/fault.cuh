@@ -66,6 +66,9 @@ enum Phase : int {
     kPhaseHostError = 10,
     // The emulated NIC of virtual nodes (transport/emulated.cuh) passed its deadline with work left
     kPhaseNic = 11,
+    // Hybrid mode's forwarder (forward.cuh) waiting for what a source of another node sent it
+    kPhaseForwardCounts = 12,
+    kPhaseForwardArrival = 13,
 };
 
 // The status word: 0 while healthy; else the phase (bits 0-7), the rank whose wait expired + 1

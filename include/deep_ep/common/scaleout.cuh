@@ -7,7 +7,8 @@
 // can be in flight. Their words live in a scale-out region of the window, placed by the host after
 // the data region (its offset is the same on every rank, so our offsets are the peers' offsets):
 //
-//   region = [remote words | per-expert counts staged for remote ranks | staging]
+//   region = [remote words | per-expert counts staged for remote ranks | forwarding words | staging
+//             | forward region]
 //
 // The staging holds what goes to remote ranks until the transport has read it: a dispatch stages
 // each token's record at the token's place (read by the puts before the kernel ends: every warp
@@ -31,8 +32,14 @@ constexpr int64_t kBarrierPassedOffset = 4 * kMaxRanks * 8;  // ours: barriers p
 constexpr int64_t kRemoteArrivalOffset = 4096;               // [source][block] (arrivals.cuh); owner resets
 constexpr int64_t kCountStagingOffset =                      // [destination][local expert] int32
     kRemoteArrivalOffset + int64_t(kMaxRanks) * kMaxArrivalBlocks * 8;
+// Hybrid mode's forwarding words (forward.cuh): per (source node, local rank) the per-expert counts
+// (int32) and a count flag, per source node a flag of its forward records and [block] arrival counters
+constexpr int64_t kForwardExpertCountOffset = kCountStagingOffset + int64_t(kMaxRanks) * kMaxLocalExperts * 4;
+constexpr int64_t kForwardCountFlagOffset = kForwardExpertCountOffset + int64_t(kMaxRanks) * kMaxLocalExperts * 4;
+constexpr int64_t kForwardRecordFlagOffset = kForwardCountFlagOffset + kMaxRanks * 8;
+constexpr int64_t kForwardArrivalOffset = kForwardRecordFlagOffset + kMaxRanks * 8;
 constexpr int64_t kStagingRingOffset =
-    align_up(kCountStagingOffset + int64_t(kMaxRanks) * kMaxLocalExperts * 4, int64_t(64 * 1024));
+    align_up(kForwardArrivalOffset + int64_t(kMaxRanks) * kMaxArrivalBlocks * 8, int64_t(64 * 1024));
 static_assert(kBarrierPassedOffset + kMaxRanks * 8 <= kRemoteArrivalOffset, "remote words overflow");
 
 // What the host wrote of the region in our workspace (layout.cuh places those words), copied once
@@ -85,6 +92,13 @@ struct Scaleout {
     __device__ __forceinline__ uint64_t* barrier_passed(int peer) const { return word(kBarrierPassedOffset, peer); }
     __device__ __forceinline__ uint64_t* arrivals(int source) const {
         return word(kRemoteArrivalOffset, source * kMaxArrivalBlocks);
+    }
+    // Hybrid mode's forward count flag `index` and forward record flag `index` (forward.cuh) to zero
+    __device__ __forceinline__ void reset_forward_flags(int index) const {
+        if constexpr (kEnabled) {
+            *word(kForwardCountFlagOffset, index) = 0;
+            *word(kForwardRecordFlagOffset, index) = 0;
+        }
     }
     __device__ __forceinline__ int* count_staging(int destination) const {
         return reinterpret_cast<int*>(region() + kCountStagingOffset) + destination * kMaxLocalExperts;

@@ -37,6 +37,7 @@
 #include <deep_ep/common/comm.cuh>
 #include <deep_ep/common/copy.cuh>
 #include <deep_ep/common/credits.cuh>
+#include <deep_ep/common/forward.cuh>
 #include <deep_ep/common/layout.cuh>
 #include <deep_ep/common/math.cuh>
 #include <deep_ep/common/ptx.cuh>
@@ -181,6 +182,9 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     __shared__ int group_base[kCached ? 1 : kMaxGroupInts];
     __shared__ int cta_expert_counts[kCached ? 1 : kMaxSharedExpertCounts];
     __shared__ int num_recv[kNumRanks];
+    // Hybrid mode: our tokens per node (the forward records each forwarder gets)
+    constexpr bool kForward = Transport::kHybrid and not kCached;
+    __shared__ int node_total[kForward ? 32 : 1];
     char* own_window = args.window_base;
     const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(own_window, args.rank);
     const uint64_t dropped_ranks = mask.dropped_ranks();
@@ -207,6 +211,12 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     // our tokens to each node (where they wait at its forwarder)
     const int num_nodes = Transport::kHybrid ? args.num_hybrid_nodes : 0;
     const int num_columns = kNumRanks + num_nodes;
+    // Hybrid mode: where the forwarding words are, in shared memory (the sends hold many registers)
+    __shared__ Forwarding fw;
+    if constexpr (kForward) {
+        if (threadIdx.x == 0) fw = Forwarding(scaleout, args.rank, kNumRanks, Record::kBytes, args.num_max_tokens_per_rank);
+        __syncthreads();
+    }
 
     if constexpr (not kCached) {
         int* scratch = args.layout_scratch;
@@ -312,7 +322,12 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                 if (g < num_groups) group_base[g * num_columns + d] = first;
                 first += counts[k];
             }
-            if (lane_idx == 31 and (not Transport::kHybrid or d < kNumRanks)) rank_total[d] = inclusive;
+            if (lane_idx == 31) {
+                if (not Transport::kHybrid or d < kNumRanks)
+                    rank_total[d] = inclusive;
+                else if constexpr (kForward)
+                    node_total[d - kNumRanks] = inclusive;
+            }
         }
         is_bad = __syncthreads_or(any_bad);
         if constexpr (kRankMasking) {
@@ -363,7 +378,22 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
             }
         }
         __syncthreads();
-        if (is_remote and threadIdx.x < 32) {
+        if (kForward and is_remote and threadIdx.x < 32) {
+            // Hybrid mode: to `d`'s forwarder, which passes them on (forward.cuh); the one of the node
+            // that is `d` itself also learns how many forward records we send it
+            const int num_sent = is_bad ? 0 : rank_total[d];
+            const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
+            const int dst_node = d / fw.num_ranks_per_node, forwarder = fw.forwarder(dst_node);
+            const int pair = fw.rank_of(fw.node, d % fw.num_ranks_per_node);
+            transport.put_warp(lane_idx, forwarder, forward_expert_counts_offset(scaleout, pair),
+                               scaleout.count_staging_offset(d), align_up(num_local_experts * 4, 16));
+            if (threadIdx.x == 0) {
+                transport.signal_add(forwarder, forward_count_flag_offset(scaleout, pair), count_flag(signature, count));
+                if (d == forwarder)
+                    transport.signal_add(forwarder, forward_record_flag_offset(scaleout, fw.node),
+                                         count_flag(signature, is_bad ? 0 : node_total[dst_node]));
+            }
+        } else if (is_remote and threadIdx.x < 32) {
             const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
             const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
             if constexpr (not kCached)
@@ -456,6 +486,12 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         }
         return true;
     };
+    // Hybrid mode: first the counts that remote sources sent through us, which our node's ranks
+    // (we too) wait for
+    if constexpr (kForward)
+        if (is_count_cta and not forward_counts(fw, scaleout, peer_windows, args.rank, signature, num_local_experts,
+                                                args.num_max_tokens_per_rank, fault, args.timeout_ns))
+            return;
     if constexpr (not kCached)
         if (is_count_cta and counts_first and not receive_counts()) return;
 
@@ -466,10 +502,27 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     const int whole_end = max(0, num_tokens - num_channels * kNumWarps) / tokens_per_task * tokens_per_task;
     const int num_whole_tasks = whole_end / tokens_per_task;
     const int num_tasks = num_whole_tasks + num_tokens - whole_end;
-    const TaskQueue tasks(reinterpret_cast<int*>(own_window + kDispatchTaskQueueOffset), num_tasks, kNumWarps,
+    // Hybrid mode: after our own tasks, relay items (source node, block of its forward records), so
+    // that warps done sending relay while the others still send
+    const int num_relay_blocks = kForward ? ceil_div(args.num_max_tokens_per_rank, args.arrival_block) : 0;
+    const int num_all_tasks = num_tasks + (kForward ? fw.num_nodes * num_relay_blocks : 0);
+    const TaskQueue tasks(reinterpret_cast<int*>(own_window + kDispatchTaskQueueOffset), num_all_tasks, kNumWarps,
                           num_issuing_ctas<Transport>());
-    for (int task = tasks.first(), claimed = 0; not is_bad and task < num_tasks; task = tasks.next(claimed)) {
+    for (int task = tasks.first(), claimed = 0; (kForward or not is_bad) and task < num_all_tasks;
+         task = tasks.next(claimed)) {
         claimed = tasks.claim(task);
+        if constexpr (kForward) {
+            if (task >= num_tasks) {
+                const int m = (task - num_tasks) / num_relay_blocks, block = (task - num_tasks) % num_relay_blocks;
+                if (m != fw.node and
+                    not relay_forward_block<Record::kBytes>(fw, scaleout, peer_windows, m, block, args.arrival_block,
+                                                            signature, args.num_max_tokens_per_rank, fault, args.rank,
+                                                            args.timeout_ns))
+                    break;
+                continue;
+            }
+            if (is_bad) continue;
+        }
         const bool is_whole = task < num_whole_tasks;
         const int task_begin = is_whole ? task * tokens_per_task : whole_end + task - num_whole_tasks;
         const int task_end = is_whole ? task_begin + tokens_per_task : task_begin + 1;
@@ -585,7 +638,30 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                     [&](int v, const int4& value) { st_na_v4(staged + v, value); });
             }
         }
-        if constexpr (Transport::kHasRemote) {
+        if constexpr (kForward) {
+            // Hybrid mode: every staged record once to each remote node it goes to, at its forwarder,
+            // with the header of its slots there
+            for (int t = task_begin; t < task_end; ++t) {
+#pragma unroll 1
+                for (int n = 0; n < num_nodes; ++n) {
+                    const int node_slot = args.node_slot_idx[static_cast<int64_t>(t) * num_nodes + n];
+                    if (n == fw.node or node_slot < 0) continue;
+                    int* header = reinterpret_cast<int*>(
+                        scaleout.window() + fw.header_staging_offset(n, t, args.num_max_tokens_per_rank));
+                    if (lane_idx < fw.num_ranks_per_node)
+                        header[lane_idx] = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + fw.rank_of(n, lane_idx)];
+                    const size_t at = fw.record_offset(fw.node, node_slot, Record::kBytes, args.num_max_tokens_per_rank);
+                    // The body, then the header (one call site: the transport's put inlines large)
+#pragma unroll 1
+                    for (int piece = 0; piece < 2; ++piece)
+                        transport.put_warp(
+                            lane_idx, fw.forwarder(n), piece == 0 ? at : at + Record::kBytes,
+                            piece == 0 ? scaleout.staging_offset(t, Record::kBytes)
+                                       : fw.header_staging_offset(n, t, args.num_max_tokens_per_rank),
+                            piece == 0 ? Record::kBytes : fw.header_bytes);
+                }
+            }
+        } else if constexpr (Transport::kHasRemote) {
             // Every staged record to each of its remote destinations (after the copies: their
             // registers are free for the transport's)
             for (int t = task_begin; t < task_end; ++t) {
@@ -609,12 +685,24 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         for (int d = 0; d < kNumRanks; ++d) {
             const int slot = t < task_end ? args.slot_idx[static_cast<int64_t>(t) * kNumRanks + d] : -1;
             const uint32_t hits = __ballot_sync(0xffffffff, slot >= 0 and slot < args.num_max_tokens_per_rank);
+            if (kForward and scaleout.is_remote(d)) continue;  // its forwarder counts them in
             if (hits != 0 and lane_idx == __ffs(hits) - 1) {
                 // A remote destination's on the context of the task's puts, after them
                 if (scaleout.is_remote(d))
                     signal_remote_arrivals(transport, scaleout, d, args.rank, slot, __popc(hits), args.arrival_block);
                 else
                     signal_arrivals(peer_windows[d], args.rank, slot, __popc(hits), args.arrival_block);
+            }
+        }
+        if constexpr (kForward) {
+            // Per remote node, the task's forward records (consecutive forward slots) at its forwarder
+            for (int n = 0; n < num_nodes; ++n) {
+                const int node_slot =
+                    t < task_end and n != fw.node ? args.node_slot_idx[static_cast<int64_t>(t) * num_nodes + n] : -1;
+                const uint32_t hits = __ballot_sync(0xffffffff, node_slot >= 0);
+                if (hits != 0 and lane_idx == __ffs(hits) - 1)
+                    signal_forward_arrivals(transport, scaleout, fw.forwarder(n), fw.node, node_slot, __popc(hits),
+                                            args.arrival_block);
             }
         }
     }
