@@ -469,8 +469,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from deep_ep.jit import compile_many
 
         print("deep-ep bench: compiling the kernels (cached ones load at once)", file=sys.stderr)
-        transport = nodes.NIC_TRANSPORT if args.nodes is not None else "lsa"
-        compile_many(cases.kernel_specs(config, transport), progress=True)
+        compile_many(nodes.kernel_specs(config) if args.nodes is not None else cases.kernel_specs(config, "lsa"),
+                     progress=True)  # fmt: skip
     command = " ".join(["deep-ep", *sys.argv[1:]])
     if args.nodes is not None:
         nodes.run_nodes(config, args.nodes, json_path=args.json, command=command)

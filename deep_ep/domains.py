@@ -3,8 +3,8 @@
 Physical: `(num_rdma_ranks, num_nvlink_ranks)`, the hosts of the group and the ranks on each (one
 NVLink domain per host; a `deep_ep.loopback` world's virtual nodes count as hosts). Logical:
 `(num_scaleout_ranks, num_scaleup_ranks)`: with hybrid mode allowed and more than one host, one
-scale-up domain per host (the reference backend then combines in hybrid mode's two stages; the
-kernels' hybrid mode is not built yet), else one domain of the whole group.
+scale-up domain per host (a buffer then runs hybrid mode: docs/hybrid.md), else one domain of the
+whole group.
 """
 
 from __future__ import annotations

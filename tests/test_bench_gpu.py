@@ -50,17 +50,18 @@ def test_host_bench_on_virtual_ranks_times_the_kernels_and_their_graphs():
         assert (row["host_target_us"] is None) == (row["op"] == "dispatch_cpu_sync"), row
 
 
-def test_nodes_bench_counts_every_byte_direct_mode_puts_across_virtual_nodes():
+def test_nodes_bench_counts_every_byte_each_mode_puts_across_virtual_nodes():
     """`deep-ep bench --nodes 2` on 4 virtual ranks of one GPU: each rank's NIC counters around a
-    dispatch and a combine equal the bytes direct mode puts for its routing (checked on every rank
-    inside the run, bitwise results first), and hybrid mode's model sends fewer records over the NIC."""
+    dispatch and a combine, in direct and in hybrid mode, equal the bytes that mode puts for its
+    routing (checked on every rank inside the run, bitwise results first), and hybrid mode sends
+    fewer records over the NIC (each token at most once per remote node)."""
     from deep_ep.jit import compile_many
 
     from deep_ep.bench import cases, nodes
 
     config = cases.BenchConfig(cases.make_cases([128, 96], None, ["fp8", "bf16"], ["uniform", "imbalanced"], 7168, 8,
                                                 256), 4, "cuda", virtual_ranks=True, seed=11)  # fmt: skip
-    compile_many(cases.kernel_specs(config, nodes.NIC_TRANSPORT))
+    compile_many(nodes.kernel_specs(config))
     rows = nodes.run_nodes(config, 2, command="pytest")
     assert len(rows) == 8
     for row in rows:
@@ -68,3 +69,5 @@ def test_nodes_bench_counts_every_byte_direct_mode_puts_across_virtual_nodes():
         assert row["combine_bytes"] == row["direct_combine_bytes"] > 0, row
         assert row["dispatch_puts"] > 0 and row["dispatch_signals"] > 0 and row["combine_signals"] > 0, row
         assert row["remote_node_hits"] < row["remote_rank_hits"], row
+        assert row["hybrid_dispatch_measured"] == row["hybrid_dispatch_bytes"] < row["dispatch_bytes"], row
+        assert row["hybrid_combine_measured"] == row["combine_bytes"], row

@@ -26,14 +26,13 @@ def _brute_force(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, per_n
         ranks = {e // local_experts for e in row if e >= 0}
         remote_ranks += sum(1 for d in ranks if d // per_node != rank // per_node)
         remote_nodes += len({d // per_node for d in ranks} - {rank // per_node})
-    num_nodes = num_ranks // per_node
     num_remote_ranks = num_ranks - per_node
     remote_received = sum(n for s, n in enumerate(per_source) if s // per_node != rank // per_node)
     return dict(
         direct_dispatch_bytes=remote_ranks * record + num_remote_ranks * align(4 * local_experts, 16),
         direct_combine_bytes=remote_received * slot,
         hybrid_dispatch_bytes=remote_nodes * (record + align(4 * per_node, 16))
-        + (num_nodes - 1) * align(4 * per_node * (1 + local_experts), 16),
+        + num_remote_ranks * align(4 * local_experts, 16),
         hybrid_combine_bytes=remote_nodes * slot,
         remote_rank_hits=remote_ranks,
         remote_node_hits=remote_nodes,
@@ -67,9 +66,9 @@ def test_totals_are_summed_over_ranks_and_divided_by_the_group_s_tokens() -> Non
     assert summary["per_token"]["dispatch_bytes"] == 0.5 and summary["per_token"]["hybrid_combine_bytes"] == 1.0
     assert "num_tokens" not in summary["per_token"]
     table = nodes.format_table([summary], "2 virtual ranks", 2).splitlines()
-    # The data line: T, dtype, routing, then hybrid over direct (16 / 16 bytes in both ops)
-    assert table[2].split()[:3] == ["4", "fp8", "uniform"] and "1.000    1.000" in table[2], table
-    assert "hybrid mode is a model" in table[-1]
+    # The data line: T, dtype, routing, then hybrid over direct in dispatch (4 / 8 bytes, measured)
+    assert table[2].split()[:3] == ["4", "fp8", "uniform"] and "|           0.500 |" in table[2], table
+    assert "at most once per remote node" in table[-1]
 
 
 def test_the_node_count_must_divide_the_virtual_ranks_of_one_gpu() -> None:
@@ -83,12 +82,16 @@ def test_the_node_count_must_divide_the_virtual_ranks_of_one_gpu() -> None:
             nodes.check_nodes(cases.BenchConfig([], 8, device, virtual_ranks=virtual), 2)
 
 
-def test_the_kernels_it_compiles_are_the_eager_nic_s() -> None:
+def test_the_kernels_it_compiles_are_the_eager_nic_s_in_both_modes() -> None:
     config = cases.BenchConfig(cases.make_cases([128], None, ["fp8", "bf16"], ["uniform"], 7168, 8, 256), 4, "cuda",
                                virtual_ranks=True)  # fmt: skip
-    specs = cases.kernel_specs(config, nodes.NIC_TRANSPORT)
-    assert specs and all(s.template_args[-1] == "deep_ep::transport::Emulated<false>" for s in specs), specs
+    specs = nodes.kernel_specs(config)
+    direct = "deep_ep::transport::Emulated<false>"
+    hybrid = f"deep_ep::transport::Hybrid<{direct}>"
+    assert specs and {s.template_args[-1] for s in specs} == {direct, hybrid}, specs
     assert {s.name for s in specs} >= {"deep_ep::dispatch_impl", "deep_ep::combine_impl", "deep_ep::post_fault_impl"}
+    # Hybrid mode's dispatches: fresh and cached, per dtype
+    assert sum(s.template_args[-1] == hybrid for s in specs) == 4, specs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")

@@ -86,16 +86,16 @@ def test_nccl_2_28_9_refuses_the_gin_transport(nccl_roots, sm90a_checked_cache, 
 def _gin_specs(version: str, backend: str) -> list:
     """Every kernel of one MoE shape (EP8, hidden 4096, top-8, 64 experts, BF16 and FP8 with per-128
     scales) over `gin-<backend>`, the fault post and the transport self-test; with rank masking and
-    hybrid mode's fresh dispatch too on the primary release (2.32.3) only, to keep CI's 2 cores within
+    hybrid mode's dispatches too on the primary release (2.32.3) only, to keep CI's 2 cores within
     budget."""
     transport = f"gin-{backend.lower()}"
     specs = kernel_specs.moe_specs(8, 4096, 8, 64, (128,), False, transport)
     specs += [kernel_specs.post_fault_spec(transport), kernel_specs.transport_ping_spec(transport)]
     if version == "2.32.3":
         specs += kernel_specs.moe_specs(8, 4096, 8, 64, (128,), True, transport)
-        # Hybrid mode's fresh dispatch (issue 17), BF16 and FP8
-        specs += [kernel_specs.dispatch_spec(8, 8192, 0, 8, False, False, f"hybrid-{transport}"),
-                  kernel_specs.dispatch_spec(8, 4096, 128, 8, False, False, f"hybrid-{transport}")]  # fmt: skip
+        # Hybrid mode's dispatches (issue 17), BF16 and FP8, fresh and cached
+        specs += [kernel_specs.dispatch_spec(8, *row, 8, cached, False, f"hybrid-{transport}")
+                  for row in ((8192, 0), (4096, 128)) for cached in (False, True)]  # fmt: skip
     return list(dict.fromkeys(specs))
 
 

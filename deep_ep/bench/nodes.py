@@ -1,19 +1,23 @@
 """`deep-ep bench --nodes N`: the bytes that cross the NIC per token, on virtual nodes of one GPU.
 
 The ranks are split into `N` virtual nodes (`deep_ep.loopback`), whose ranks reach other nodes only
-through the emulated NIC (eager mode), which counts what each rank hands to it. Per case, every rank
-runs one fresh dispatch with CPU sync and one combine of its handle on the kernels in direct mode,
-checks both bitwise against `deep_ep.reference`, and reads its NIC counters around each call:
+through the emulated NIC (eager mode), which counts what each rank hands to it. Per case and mode
+(direct, then hybrid), every rank runs one fresh dispatch with CPU sync and one combine of its
+handle on the kernels, checks both bitwise against `deep_ep.reference` in the same mode, and reads
+its NIC counters around each call:
 
 - measured: the bytes put (records and counts in dispatch, rows in combine), puts and signals;
 - expected in direct mode, from the routing: a record per (token, destination rank on another
   node), the per-expert counts once per rank on another node, a combine row per (received token,
-  source on another node). Measured and expected must agree to the byte;
-- hybrid mode (docs/hybrid.md, not built yet), modelled from the same routing: a forward record
-  (record and a header of the node's slots) per (token, destination node other than ours), the
-  counts once per node, a combine partial per (token, node other than home's).
+  source on another node);
+- expected in hybrid mode: a forward record (record and a header of the node's slots) per (token,
+  destination node other than ours), so each token at most once per node, and the per-expert counts
+  once per rank on another node (through its forwarder). Its combine sends rows as direct mode
+  does so far (the home rank adds hybrid mode's node stage); the forwarders' partials, a row per
+  (token, node other than home's), are modelled.
 
-Totals are over all ranks, per token of the group (`N_ranks x T` tokens).
+Measured and expected must agree to the byte. Totals are over all ranks, per token of the group
+(`N_ranks x T` tokens).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from ..records import CombineSlotLayout, DispatchRecordLayout
 from ..utils.math import align
 from . import report
 from .cases import BenchCase, BenchConfig, make_inputs, random_rows
+from .cases import kernel_specs as direct_kernel_specs
 
 TRAFFIC_FIELDS = ("dispatch_bytes", "dispatch_puts", "dispatch_signals", "combine_bytes", "combine_puts",
-                  "combine_signals")  # fmt: skip
+                  "combine_signals", "hybrid_dispatch_measured", "hybrid_combine_measured")  # fmt: skip
 # The NIC between virtual nodes: eager (the calling warp copies; it counts what strict mode would)
 NIC_TRANSPORT = "emulated-eager"
 MODEL_FIELDS = ("direct_dispatch_bytes", "direct_combine_bytes", "hybrid_dispatch_bytes", "hybrid_combine_bytes",
@@ -49,10 +54,11 @@ def record_bytes(case: BenchCase) -> int:
 
 def modelled_bytes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_ranks_per_node: int, rank: int,
                    num_recv_per_source: list[int], case: BenchCase) -> dict[str, int]:  # fmt: skip
-    """What `rank` puts through the NIC in direct mode, and its share of hybrid mode's puts, for its
-    routing `topk_idx` (`[T, K]` int64 on the CPU, `-1` for none) and the tokens it received from
-    each source (`num_recv_per_source`, `[num_ranks]`): `direct_*` and `hybrid_*` bytes (dispatch and
-    combine), and the (token, remote rank) and (token, remote node) pairs."""
+    """What `rank` puts through the NIC in direct mode and in hybrid mode, for its routing `topk_idx`
+    (`[T, K]` int64 on the CPU, `-1` for none) and the tokens it received from each source
+    (`num_recv_per_source`, `[num_ranks]`): `direct_*` and `hybrid_*` bytes (dispatch and combine;
+    hybrid combine: the forwarders' partials, modelled), and the (token, remote rank) and (token,
+    remote node) pairs."""
     num_local_experts = num_experts // num_ranks
     node = rank // num_ranks_per_node
     num_nodes = num_ranks // num_ranks_per_node
@@ -66,16 +72,14 @@ def modelled_bytes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num
     remote_rank_hits = int(ranks_hit[:, is_remote].sum())
     nodes_hit = ranks_hit.reshape(-1, num_nodes, num_ranks_per_node).any(dim=2)
     remote_node_hits = int(nodes_hit.sum() - nodes_hit[:, node].sum())
-    num_remote_ranks, num_remote_nodes = int(is_remote.sum()), num_nodes - 1
+    num_remote_ranks = int(is_remote.sum())
     count_bytes = align(num_local_experts * 4, 16)
     header = align(4 * num_ranks_per_node, 16)
-    # Hybrid's counts: per remote node, the node's token counts and per-expert counts in one put
-    node_count_bytes = align(4 * num_ranks_per_node * (1 + num_local_experts), 16)
     received_remote = sum(n for s, n in enumerate(num_recv_per_source) if is_remote[s])
     return dict(
         direct_dispatch_bytes=remote_rank_hits * record + num_remote_ranks * count_bytes,
         direct_combine_bytes=received_remote * slot,
-        hybrid_dispatch_bytes=remote_node_hits * (record + header) + num_remote_nodes * node_count_bytes,
+        hybrid_dispatch_bytes=remote_node_hits * (record + header) + num_remote_ranks * count_bytes,
         hybrid_combine_bytes=remote_node_hits * slot,
         remote_rank_hits=remote_rank_hits,
         remote_node_hits=remote_node_hits,
@@ -88,58 +92,93 @@ def _traffic_delta(links: Any, before: dict[str, int]) -> dict[str, int]:
     return {name: after[name] - before[name] for name in after}
 
 
-def nodes_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig, num_ranks_per_node: int) -> list[dict]:
-    """Every case of `config` (the planner's SM pick) on this rank: one row per case with its NIC
-    counters around one dispatch and one combine, and `modelled_bytes` (collective)."""
+def _measure(group: dist.ProcessGroup, case: BenchCase, config: BenchConfig, rank: int, hybrid: bool,
+             what: str) -> tuple[dict, dict, list[int], torch.Tensor]:  # fmt: skip
+    """One fresh dispatch and one combine on the kernels in direct or `hybrid` mode, checked against
+    the reference in the same mode: the NIC counters' deltas around each, what this rank received
+    from each source, and its routing."""
     import deep_ep
 
     from .runner import check_combine, check_dispatch
 
     num_ranks = group.size()
+    buffers = [deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=case.num_tokens, hidden=case.hidden,
+                                     num_topk=case.num_topk, use_fp8_dispatch=case.fp8_dispatch,
+                                     allow_hybrid_mode=hybrid, backend=backend, explicitly_destroy=True)
+               for backend in ("kernels", "reference")]  # fmt: skip
+    ours, reference = buffers
+    try:
+        links = ours.backend.runtime.links
+        x, topk_idx, weights = make_inputs(case, rank, num_ranks, config.device, config.seed, config.hot_fraction)
+        routed = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=case.num_experts,
+                      num_max_tokens_per_rank=case.num_tokens)  # fmt: skip
+        before = links.traffic()
+        out = ours.dispatch(x, **routed)
+        dispatched = _traffic_delta(links, before)
+        ref_out = reference.dispatch(x, **routed)
+        num_recv = out[3].num_recv_tokens
+        check_dispatch(out, ref_out, num_recv, f"{what} dispatch")
+        rows_in = random_rows(num_recv, case.hidden, config.device, config.seed * 7 + rank)
+        before = links.traffic()
+        combined = ours.combine(rows_in, out[3])[0]
+        combined_traffic = _traffic_delta(links, before)
+        check_combine(combined, reference.combine(rows_in, ref_out[3])[0], f"{what} combine")
+        psum = host_list(out[3].psum_num_recv_tokens_per_scaleup_rank)
+        per_source = [b - a for a, b in zip([0, *psum[:-1]], psum, strict=True)]
+        return dispatched, combined_traffic, per_source, to_host(topk_idx)
+    finally:
+        for buffer in buffers:
+            buffer.destroy()
+
+
+def nodes_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig, num_ranks_per_node: int) -> list[dict]:
+    """Every case of `config` (the planner's SM pick) on this rank: one row per case with its NIC
+    counters around one dispatch and one combine in each mode, and `modelled_bytes` (collective)."""
+    num_ranks = group.size()
+    num_nodes = num_ranks // num_ranks_per_node
     rows = []
     for case in {c.key: c for c in config.cases if c.num_sms == 0}.values():
-        buffers = [deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=case.num_tokens, hidden=case.hidden,
-                                         num_topk=case.num_topk, use_fp8_dispatch=case.fp8_dispatch,
-                                         allow_hybrid_mode=False, backend=backend, explicitly_destroy=True)
-                   for backend in ("kernels", "reference")]  # fmt: skip
-        ours, reference = buffers
-        try:
-            links = ours.backend.runtime.links
-            x, topk_idx, weights = make_inputs(case, rank, num_ranks, config.device, config.seed, config.hot_fraction)
-            routed = dict(topk_idx=topk_idx, topk_weights=weights, num_experts=case.num_experts,
-                          num_max_tokens_per_rank=case.num_tokens)  # fmt: skip
-            before = links.traffic()
-            out = ours.dispatch(x, **routed)
-            dispatched = _traffic_delta(links, before)
-            ref_out = reference.dispatch(x, **routed)
-            num_recv = out[3].num_recv_tokens
-            what = f"T={case.num_tokens} {case.dtype} {case.routing}, {num_ranks // num_ranks_per_node} nodes"
-            check_dispatch(out, ref_out, num_recv, f"{what} dispatch")
-            rows_in = random_rows(num_recv, case.hidden, config.device, config.seed * 7 + rank)
-            before = links.traffic()
-            combined = ours.combine(rows_in, out[3])[0]
-            combined_traffic = _traffic_delta(links, before)
-            check_combine(combined, reference.combine(rows_in, ref_out[3])[0], f"{what} combine")
-            psum = host_list(out[3].psum_num_recv_tokens_per_scaleup_rank)
-            per_source = [b - a for a, b in zip([0, *psum[:-1]], psum, strict=True)]
-            model = modelled_bytes(
-                to_host(topk_idx), case.num_experts, num_ranks, num_ranks_per_node, rank, per_source, case
-            )
-            for op, name, counted in (("dispatch", "direct_dispatch_bytes", dispatched),
-                                      ("combine", "direct_combine_bytes", combined_traffic)):  # fmt: skip
-                if counted["bytes"] != model[name]:
-                    raise AssertionError(
-                        f"{what}, rank {rank}: the NIC took {counted['bytes']} bytes in {op}, direct mode puts "
-                        f"{model[name]} for this routing"
-                    )
-            rows.append(dict(case=dict(num_tokens=case.num_tokens, dtype=case.dtype, routing=case.routing,
-                                       hidden=case.hidden, num_topk=case.num_topk, num_experts=case.num_experts),
-                             rank=rank, **{f"dispatch_{k}": v for k, v in dispatched.items()},
-                             **{f"combine_{k}": v for k, v in combined_traffic.items()}, **model))  # fmt: skip
-        finally:
-            for buffer in buffers:
-                buffer.destroy()
+        what = f"T={case.num_tokens} {case.dtype} {case.routing}, {num_nodes} nodes"
+        dispatched, combined_traffic, per_source, topk_idx = _measure(group, case, config, rank, False, what)
+        hybrid_dispatched, hybrid_combined, hybrid_per_source, _ = _measure(group, case, config, rank, True,
+                                                                            f"{what}, hybrid mode")  # fmt: skip
+        model = modelled_bytes(topk_idx, case.num_experts, num_ranks, num_ranks_per_node, rank, per_source, case)
+        # Hybrid mode's combine sends its rows as direct mode does so far (the same handle layout)
+        expected = (("dispatch", "direct_dispatch_bytes", dispatched["bytes"]),
+                    ("combine", "direct_combine_bytes", combined_traffic["bytes"]),
+                    ("hybrid dispatch", "hybrid_dispatch_bytes", hybrid_dispatched["bytes"]),
+                    ("hybrid combine", "direct_combine_bytes", hybrid_combined["bytes"]))  # fmt: skip
+        for op, name, counted in expected:
+            if counted != model[name]:
+                raise AssertionError(f"{what}, rank {rank}: the NIC took {counted} bytes in {op}, {model[name]} expected "
+                                     f"({name}) for this routing")  # fmt: skip
+        if hybrid_per_source != per_source:
+            raise AssertionError(f"{what}, rank {rank}: hybrid mode received {hybrid_per_source}, direct {per_source}")
+        rows.append(dict(case=dict(num_tokens=case.num_tokens, dtype=case.dtype, routing=case.routing,
+                                   hidden=case.hidden, num_topk=case.num_topk, num_experts=case.num_experts),
+                         rank=rank, **{f"dispatch_{k}": v for k, v in dispatched.items()},
+                         **{f"combine_{k}": v for k, v in combined_traffic.items()},
+                         hybrid_dispatch_measured=hybrid_dispatched["bytes"],
+                         hybrid_combine_measured=hybrid_combined["bytes"],
+                         **{f"hybrid_dispatch_{k}": v for k, v in hybrid_dispatched.items() if k != "bytes"},
+                         **{f"hybrid_combine_{k}": v for k, v in hybrid_combined.items() if k != "bytes"},
+                         **model))  # fmt: skip
     return rows
+
+
+def kernel_specs(config: BenchConfig) -> list:
+    """The kernels of both modes over the eager NIC: those of direct mode (`cases.kernel_specs`) and
+    hybrid mode's dispatches."""
+    from ..backends.kernels.specs import dispatch_spec
+
+    specs = direct_kernel_specs(config, NIC_TRANSPORT)
+    for case in config.cases:
+        hidden_bytes, scale_bytes = (
+            (case.hidden, (case.hidden + 127) // 128 * 4) if case.fp8_dispatch else (2 * case.hidden, 0)
+        )
+        specs += [dispatch_spec(config.num_ranks, hidden_bytes, scale_bytes, case.num_topk, cached, False,
+                                f"hybrid-{NIC_TRANSPORT}") for cached in (False, True)]  # fmt: skip
+    return list(dict.fromkeys(specs))
 
 
 def summarize(per_rank: list[list[dict]]) -> list[dict]:
@@ -159,19 +198,19 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
 
 def format_table(rows: list[dict], hardware: str, num_nodes: int) -> str:
     lines = [f"bytes over the NIC per token ({hardware}; {num_nodes} virtual nodes, emulated NIC; totals over ranks):",
-             f"{'T':>6} {'dtype':>5} {'routing':>10} | {'direct d/c (measured)':>23} | "
-             f"{'hybrid d/c (model)':>20} | {'hybrid/direct d/c':>17} | {'records/token direct/hybrid':>27}"]  # fmt: skip
+             f"{'T':>6} {'dtype':>5} {'routing':>10} | {'direct d/c':>23} | {'hybrid d/c':>23} | "
+             f"{'hybrid/direct d':>15} | {'partials c (model)':>18} | {'records/token direct/hybrid':>27}"]  # fmt: skip
     for row in rows:
         c, p = row["case"], row["per_token"]
-        ratio = [p[f"hybrid_{op}_bytes"] / p[f"direct_{op}_bytes"] if p[f"direct_{op}_bytes"] else float("nan")
-                 for op in ("dispatch", "combine")]  # fmt: skip
+        ratio = p["hybrid_dispatch_measured"] / p["dispatch_bytes"] if p["dispatch_bytes"] else float("nan")
         lines.append(f"{c['num_tokens']:>6} {c['dtype']:>5} {c['routing']:>10} | "
                      f"{p['dispatch_bytes']:>11.0f} {p['combine_bytes']:>11.0f} | "
-                     f"{p['hybrid_dispatch_bytes']:>9.0f} {p['hybrid_combine_bytes']:>10.0f} | "
-                     f"{ratio[0]:>8.3f} {ratio[1]:>8.3f} | "
+                     f"{p['hybrid_dispatch_measured']:>11.0f} {p['hybrid_combine_measured']:>11.0f} | "
+                     f"{ratio:>15.3f} | {p['hybrid_combine_bytes']:>18.0f} | "
                      f"{p['remote_rank_hits']:>13.3f} {p['remote_node_hits']:>13.3f}")  # fmt: skip
-    lines.append("measured bytes equal direct mode's for the routing on every rank (checked); hybrid mode is a "
-                 "model until the kernels have it (docs/hybrid.md)")  # fmt: skip
+    lines.append("measured, both modes; equal to the bytes the routing gives on every rank (checked): hybrid mode sends "
+                 "each token at most once per remote node; its combine still sends a row per holder (the forwarders' "
+                 "partials per node are the model column, docs/hybrid.md)")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -13,18 +13,17 @@ import torch.distributed as dist
 NODE_HIDDEN = 2560
 
 
-def node_buffer(group: Any, timeout_s: float, **kwargs: Any) -> Any:
-    """A kernels buffer in direct mode (the kernels across nodes have no hybrid mode yet)."""
+def node_buffer(group: Any, timeout_s: float, hybrid: bool = False, **kwargs: Any) -> Any:
+    """A kernels buffer in direct mode, or in hybrid mode with `hybrid`."""
     import deep_ep
 
     return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=NODE_HIDDEN, num_topk=8,
-                                 explicitly_destroy=True, allow_hybrid_mode=False, num_gpu_timeout_secs=timeout_s,
+                                 explicitly_destroy=True, allow_hybrid_mode=hybrid, num_gpu_timeout_secs=timeout_s,
                                  num_cpu_timeout_secs=60, **kwargs)  # fmt: skip
 
 
-def stalled_node_rank(rank: int, group: dist.ProcessGroup, stalled_node: int, num_ranks_per_node: int,
-                      timeout_s: float) -> dict:  # fmt: skip
-    """Every rank dispatches and combines once; then the ranks of `stalled_node` sit out one dispatch
+def _stalled_rank(rank: int, group: dist.ProcessGroup, stalls: bool, timeout_s: float, hybrid: bool) -> dict:
+    """Every rank dispatches and combines once; then the ranks where `stalls` sit out one dispatch
     (and call only after the others' deadline), the others go ahead. Returns what each rank raised
     and when."""
     from kernel_checks import make_inputs
@@ -32,7 +31,7 @@ def stalled_node_rank(rank: int, group: dist.ProcessGroup, stalled_node: int, nu
     import deep_ep
 
     num_experts = 8 * group.size()
-    buf = node_buffer(group, timeout_s)
+    buf = node_buffer(group, timeout_s, hybrid)
     x, topk_idx, weights, _ = make_inputs(rank, group.size(), 100, NODE_HIDDEN, "bf16", num_experts, 8, "uniform", 0.0,
                                           0, 11, "cuda")  # fmt: skip
     out = buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
@@ -41,7 +40,7 @@ def stalled_node_rank(rank: int, group: dist.ProcessGroup, stalled_node: int, nu
     dist.barrier(group=group)
     outcome: dict = {}
     started = time.monotonic()
-    if rank // num_ranks_per_node == stalled_node:
+    if stalls:
         time.sleep(3 * timeout_s)
     try:
         buf.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
@@ -52,6 +51,18 @@ def stalled_node_rank(rank: int, group: dist.ProcessGroup, stalled_node: int, nu
     outcome["raised_s"] = time.monotonic() - started
     buf.destroy()
     return outcome
+
+
+def stalled_node_rank(rank: int, group: dist.ProcessGroup, stalled_node: int, num_ranks_per_node: int,
+                      timeout_s: float) -> dict:  # fmt: skip
+    """Direct mode: the ranks of `stalled_node` sit out one dispatch (`_stalled_rank`)."""
+    return _stalled_rank(rank, group, rank // num_ranks_per_node == stalled_node, timeout_s, False)
+
+
+def stalled_forwarder_rank(rank: int, group: dist.ProcessGroup, stalled: int, timeout_s: float) -> dict:
+    """Hybrid mode: rank `stalled` alone, a forwarder for the other nodes' ranks of its local index,
+    sits out one dispatch (`_stalled_rank`)."""
+    return _stalled_rank(rank, group, rank == stalled, timeout_s, True)
 
 
 def mistake_rank(rank: int, group: dist.ProcessGroup, seed: int, num_rounds: int) -> int:
@@ -110,10 +121,12 @@ def node_test_specs() -> list:
     found += [kernels.dispatch_epilogue_spec(*shape, False, False, transport)]
     found += [kernels.combine_spec(4, NODE_HIDDEN, 8, 1, False, False, transport),
               kernels.combine_epilogue_spec(4, NODE_HIDDEN, 8, 1, False, transport)]  # fmt: skip
-    # Hybrid mode's fresh dispatch, the BF16 shape of each world size, both NIC modes
+    # Hybrid mode's dispatches (fresh and cached), the BF16 shape of each world size, both NIC modes (the
+    # hybrid sweep's other dtypes differ only in the scales' bytes; CI's time keeps them out)
     for num_ranks, ((hidden, num_topk, _),) in NODE_SHAPES.items():
-        found += [kernels.dispatch_spec(num_ranks, *row_bytes("bf16", hidden), num_topk, False, False,
-                                        f"hybrid-emulated-{mode}") for mode in ("eager", "strict")]  # fmt: skip
+        found += [kernels.dispatch_spec(num_ranks, *row_bytes("bf16", hidden), num_topk, cached, False,
+                                        f"hybrid-emulated-{mode}") for mode in ("eager", "strict")
+                  for cached in (False, True)]  # fmt: skip
     return list(dict.fromkeys(found))
 
 

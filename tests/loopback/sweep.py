@@ -45,7 +45,7 @@ def kernel_specs(num_ranks: int, transport: str = "lsa", shapes: dict = SHAPES,
                  local_experts: tuple[int, ...] = LOCAL_EXPERTS, hybrid: bool = False) -> list:  # fmt: skip
     """Every kernel specialisation the sweep of `num_ranks` ranks over `transport` can launch (its
     `shapes` and `local_experts`: `NODE_SHAPES` and `NODE_LOCAL_EXPERTS` across virtual nodes), with
-    `hybrid` also hybrid mode's fresh dispatches."""
+    `hybrid` also hybrid mode's dispatches."""
     from deep_ep.backends.kernels import specs as kernels
 
     specs = [kernels.barrier_spec(num_ranks, transport), kernels.post_fault_spec(transport)]
@@ -54,7 +54,9 @@ def kernel_specs(num_ranks: int, transport: str = "lsa", shapes: dict = SHAPES,
             args = (num_ranks, *row_bytes(dtype, hidden), num_topk)
             specs += [kernels.dispatch_spec(*args, cached, False, transport) for cached in (False, True)]
             if hybrid:
-                specs.append(kernels.dispatch_spec(*args, False, False, f"hybrid-{transport}"))
+                specs += [
+                    kernels.dispatch_spec(*args, cached, False, f"hybrid-{transport}") for cached in (False, True)
+                ]
             specs.append(kernels.dispatch_expand_rank_spec(*args, False, transport))
             specs += [kernels.dispatch_epilogue_spec(*args, expand, False, transport) for expand in (False, True)]
         rows = {(1, False), (1, True)} | {(min(num_topk, local), True) for local in local_experts}

@@ -71,16 +71,17 @@ def test_the_sweep_across_virtual_nodes_is_bitwise_equal_to_the_reference(mode: 
           f"compiling): {'; '.join(lines)}")  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["direct", "hybrid"])
 @pytest.mark.parametrize("mode", ["eager", "strict"])
-def test_cuda_graph_replays_across_virtual_nodes(mode: str) -> None:
+def test_cuda_graph_replays_across_virtual_nodes(mode: str, layout: str) -> None:
     from graphs import graph_rank
 
     seed = _seed()
     world = _world(2, 4, NicOptions(strict=mode == "strict", seed=seed))
-    checked = world.run(functools.partial(graph_rank, allow_hybrid_mode=False), seed, 3)
+    checked = world.run(functools.partial(graph_rank, allow_hybrid_mode=layout == "hybrid"), seed, 3)
     world.close()
     assert checked == [12] * 8
-    print(f"\ngraphs, 2x4 virtual nodes, {mode} NIC: {checked[0]} replays checked per rank, seed {seed}")
+    print(f"\ngraphs, 2x4 virtual nodes, {layout} mode, {mode} NIC: {checked[0]} replays checked per rank, seed {seed}")
 
 
 def test_a_stalled_node_makes_every_rank_raise_naming_the_node_and_rank() -> None:
@@ -101,6 +102,30 @@ def test_a_stalled_node_makes_every_rank_raise_naming_the_node_and_rank() -> Non
     print(f"\nstalled node {stalled} of {num_nodes}x{per_node}: every rank raised, the live ones within {slowest:.2f} s "
           f"(deadline {FAULT_TIMEOUT_S:g} s); guards intact; rank 0: {outcomes[0]['error'][:200]}; rank "
           f"{per_node}: {outcomes[per_node]['error'][:200]}")  # fmt: skip
+
+
+def test_a_stalled_forwarder_makes_every_rank_raise_naming_it() -> None:
+    """Hybrid mode: one rank sits out a dispatch. Its node's ranks wait for what the other nodes'
+    sources send through it, its rail peers for its counts, every rank for its records: each raises
+    `EPTimeoutError` naming it (as the source, or as the forwarder the source's records come through)."""
+    from nodes import stalled_forwarder_rank
+
+    num_nodes, per_node, stalled = 2, 4, 5
+    world = _world(num_nodes, per_node, NicOptions(strict=True, seed=_seed()), guard_bytes=64 << 10)
+    outcomes = world.run(stalled_forwarder_rank, stalled, FAULT_TIMEOUT_S)
+    damaged = world.check_guards()
+    world.close()
+    name = f"rank {stalled} (node {stalled // per_node}, local rank {stalled % per_node})"
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["error"] is not None, f"rank {rank} did not raise: {outcome}"
+        assert name in outcome["error"], (rank, outcome)
+        if rank != stalled:
+            assert outcome["raised_s"] < 3 * FAULT_TIMEOUT_S, (rank, outcome)
+    assert damaged == [], damaged
+    slowest = max(o["raised_s"] for r, o in enumerate(outcomes) if r != stalled)
+    print(f"\nstalled forwarder {name} of {num_nodes}x{per_node}, hybrid mode: every rank raised naming it, the live "
+          f"ones within {slowest:.2f} s (deadline {FAULT_TIMEOUT_S:g} s); guards intact; rank 0: "
+          f"{outcomes[0]['error'][:220]}; rank 1: {outcomes[1]['error'][:220]}")  # fmt: skip
 
 
 @pytest.mark.parametrize("mistake", ["signal_first", "split_contexts", "no_flush"])

@@ -37,8 +37,10 @@ class NvlinkDispatchState:
     num_out_rows: int  # rows of recv_x (exact with CPU sync, worst case without)
     num_meta_rows: int  # rows of recv_src_metadata
     num_expanded_rows: int  # rows of the expanded layout (reported in both modes)
-    # Hybrid mode: [num_tokens, num_nodes] int32, each token's forward slot per node (-1: none); else None
+    # Hybrid mode: [num_tokens, num_nodes] int32, each token's forward slot per node (-1: none), and
+    # [num_nodes] int32, the tokens sent to each node; else None
     node_slot_idx: torch.Tensor | None = None
+    num_tokens_per_node: torch.Tensor | None = None
 
 
 def _dispatch_outputs(
@@ -70,7 +72,7 @@ def _dispatch_outputs(
 def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, num_topk: int,
                    num_max_tokens_per_rank: int, fresh: bool, do_expand: bool, num_sms: int) -> LaunchPlan:  # fmt: skip
     """The plan of a dispatch shape, made (capacity checked, kernels loaded) the first time it runs."""
-    hybrid = fresh and runtime.num_hybrid_nodes > 0  # cached dispatches are direct so far (the same slots)
+    hybrid = runtime.num_hybrid_nodes > 0
     key = ("dispatch", hidden_bytes, scale_bytes, num_topk, num_max_tokens_per_rank, fresh, do_expand, num_sms, hybrid)
     plan = runtime.plans.get(key)
     if plan is not None:
@@ -162,7 +164,8 @@ def run_dispatch(
     max_recv = runtime.num_ranks * num_max_tokens_per_rank
     empty = runtime.share.empty
 
-    counts_list, expand_scratch, dst_slot_idx, num_masked_lanes, node_slot_idx = None, None, None, None, None
+    counts_list, expand_scratch, dst_slot_idx, num_masked_lanes = None, None, None, None
+    node_slot_idx = num_tokens_per_node = None
     num_nodes = runtime.num_hybrid_nodes
     if fresh and masking:
         num_masked_lanes = empty((1,), dtype=torch.int32, device=device)  # written by the dispatch kernel
@@ -173,11 +176,13 @@ def run_dispatch(
         num_recv_per_expert = empty((num_local_experts,), dtype=torch.int32, device=device)
         if num_nodes:
             node_slot_idx = empty((num_tokens, num_nodes), dtype=torch.int32, device=device)
+            num_tokens_per_node = empty((num_nodes,), dtype=torch.int32, device=device)
         if expand_ranks:
             expand_scratch = runtime.expand_rank_scratch(max_recv * num_topk)
         runtime.num_experts_checked = num_experts
     else:
         slot_idx, num_tokens_per_rank = cached.slot_idx, cached.num_tokens_per_rank
+        node_slot_idx, num_tokens_per_node = cached.node_slot_idx, cached.num_tokens_per_node
         num_recv_per_expert = cached_num_recv_tokens_per_expert
         if cumulative_stats is not None:
             cumulative_stats.add_(num_recv_per_expert)
@@ -192,7 +197,7 @@ def run_dispatch(
         )
         num_out_rows = num_expanded_rows if do_expand else max_recv
         state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, max_recv, num_expanded_rows,
-                                    node_slot_idx)  # fmt: skip
+                                    node_slot_idx, num_tokens_per_node)  # fmt: skip
         recv_src_metadata = empty((max_recv, 2 + num_topk), dtype=torch.int32, device=device)
     if state is not None:
         outputs = _dispatch_outputs(runtime, state.num_out_rows, x, x_scales, num_topk, topk_weights is not None,
@@ -213,7 +218,8 @@ def run_dispatch(
         error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns,
         counts_ready=data_ptr(runtime.counts_ready) if counts_sequence else 0,
         counts_sequence=counts_sequence, counts_before_sends=int(not runtime.mask_on_timeout),
-        node_slot_idx=data_ptr(node_slot_idx), num_hybrid_nodes=num_nodes if fresh else 0)  # fmt: skip
+        node_slot_idx=data_ptr(node_slot_idx), num_hybrid_nodes=num_nodes,
+        num_tokens_per_node=data_ptr(num_tokens_per_node))  # fmt: skip
     # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
     # makes the driver guarantee it (or refuse), whatever else holds SMs (an emulated NIC's CTA too)
     dispatch_kernel.launch(grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
@@ -247,7 +253,7 @@ def run_dispatch(
                 num_expanded_rows = sum(counts_list)
                 num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
                 state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_recv_tokens,
-                                            num_expanded_rows, node_slot_idx)  # fmt: skip
+                                            num_expanded_rows, node_slot_idx, num_tokens_per_node)  # fmt: skip
                 recv_src_metadata = empty((num_recv_tokens, 2 + num_topk), dtype=torch.int32, device=device)
                 outputs = _dispatch_outputs(runtime, num_out_rows, x, x_scales, num_topk, topk_weights is not None,
                                             do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip

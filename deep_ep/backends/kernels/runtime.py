@@ -60,6 +60,9 @@ _SPIN_S = 0.05
 # The error block words of an input error (`report_input_error` in fault.cuh)
 _INPUT_WORDS = slice(ERROR_WORDS.index("input_status"), len(ERROR_WORDS))
 _OP_MISMATCH_PHASE = 8
+# Hybrid mode: a dispatch's waits on what a source of another node sends (its counts and records reach
+# us through its forwarder)
+_FORWARDED_PHASES = (3, 7)
 
 
 def data_ptr(tensor: torch.Tensor | None) -> int:

@@ -56,6 +56,7 @@ class DispatchArgs(ctypes.Structure):
         ("counts_before_sends", ctypes.c_int),
         ("node_slot_idx", ctypes.c_uint64),
         ("num_hybrid_nodes", ctypes.c_int),
+        ("num_tokens_per_node", ctypes.c_uint64),
     ]
 
 

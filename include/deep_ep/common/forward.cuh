@@ -114,7 +114,8 @@ __device__ __forceinline__ int wait_forward_flag(const uint64_t* flag, int sourc
 // The count CTA's first step in hybrid mode: the counts every remote source with our local index
 // sent through us, to the ranks of our node (ourselves included), as that source would have stored
 // them. Before the CTA waits for its own counts, which come this way from those sources (docs/hybrid.md).
-// Every thread of the CTA calls it; false on every thread when a wait failed.
+// A cached dispatch sends no per-expert counts (`num_local_experts` 0). Every thread of the CTA calls
+// it; false on every thread when a wait failed.
 __device__ __forceinline__ bool forward_counts(const Forwarding& fw, const Scaleout<true>& scaleout,
                                                void* const* peer_windows, int rank, uint32_t signature,
                                                int num_local_experts, int num_max_tokens, const FaultSink& fault,

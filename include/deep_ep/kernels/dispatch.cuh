@@ -80,6 +80,7 @@ struct DispatchArgs {
     // that reach the node (-1: none), `[num_tokens, num_hybrid_nodes]`; with 0 nodes (direct mode), null
     int* node_slot_idx;
     int num_hybrid_nodes;
+    int* num_tokens_per_node;  // [num_hybrid_nodes]: written (fresh) or read (cached); with 0 nodes, null
 };
 
 // The nodes (bit n) whose ranks include one of `ranks` (bit d): `num_nodes` nodes of `kNumRanks / num_nodes`
@@ -182,9 +183,9 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     __shared__ int group_base[kCached ? 1 : kMaxGroupInts];
     __shared__ int cta_expert_counts[kCached ? 1 : kMaxSharedExpertCounts];
     __shared__ int num_recv[kNumRanks];
-    // Hybrid mode: our tokens per node (the forward records each forwarder gets)
-    constexpr bool kForward = Transport::kHybrid and not kCached;
-    __shared__ int node_total[kForward ? 32 : 1];
+    // Hybrid mode: our tokens per node (the forward records each forwarder gets; fresh dispatch)
+    constexpr bool kForward = Transport::kHybrid;
+    __shared__ int node_total[kForward and not kCached ? 32 : 1];
     char* own_window = args.window_base;
     const RankMask<kRankMasking> mask = load_rank_mask<kRankMasking>(own_window, args.rank);
     const uint64_t dropped_ranks = mask.dropped_ranks();
@@ -325,7 +326,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
             if (lane_idx == 31) {
                 if (not Transport::kHybrid or d < kNumRanks)
                     rank_total[d] = inclusive;
-                else if constexpr (kForward)
+                else if constexpr (kForward and not kCached)
                     node_total[d - kNumRanks] = inclusive;
             }
         }
@@ -339,6 +340,9 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         }
         if (channel == 0 and threadIdx.x < kNumRanks)
             args.num_tokens_per_rank[threadIdx.x] = is_bad ? 0 : rank_total[threadIdx.x];
+        if constexpr (kForward)
+            if (channel == 0 and threadIdx.x < num_nodes)
+                args.num_tokens_per_node[threadIdx.x] = is_bad ? 0 : node_total[threadIdx.x];
         if (is_bad) {
             // Nothing is sent: the handle says so (every slot -1), and the host learns the first bad value
             const int64_t stride = static_cast<int64_t>(num_channels) * kNumThreads;
@@ -381,17 +385,20 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         if (kForward and is_remote and threadIdx.x < 32) {
             // Hybrid mode: to `d`'s forwarder, which passes them on (forward.cuh); the one of the node
             // that is `d` itself also learns how many forward records we send it
-            const int num_sent = is_bad ? 0 : rank_total[d];
+            const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
             const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
             const int dst_node = d / fw.num_ranks_per_node, forwarder = fw.forwarder(dst_node);
             const int pair = fw.rank_of(fw.node, d % fw.num_ranks_per_node);
-            transport.put_warp(lane_idx, forwarder, forward_expert_counts_offset(scaleout, pair),
-                               scaleout.count_staging_offset(d), align_up(num_local_experts * 4, 16));
+            if constexpr (not kCached)
+                transport.put_warp(lane_idx, forwarder, forward_expert_counts_offset(scaleout, pair),
+                                   scaleout.count_staging_offset(d), align_up(num_local_experts * 4, 16));
             if (threadIdx.x == 0) {
                 transport.signal_add(forwarder, forward_count_flag_offset(scaleout, pair), count_flag(signature, count));
-                if (d == forwarder)
+                if (d == forwarder) {
+                    const int num_records = kCached ? args.num_tokens_per_node[dst_node] : (is_bad ? 0 : node_total[dst_node]);
                     transport.signal_add(forwarder, forward_record_flag_offset(scaleout, fw.node),
-                                         count_flag(signature, is_bad ? 0 : node_total[dst_node]));
+                                         count_flag(signature, min(max(num_records, 0), args.num_max_tokens_per_rank)));
+                }
             }
         } else if (is_remote and threadIdx.x < 32) {
             const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
@@ -489,8 +496,9 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     // Hybrid mode: first the counts that remote sources sent through us, which our node's ranks
     // (we too) wait for
     if constexpr (kForward)
-        if (is_count_cta and not forward_counts(fw, scaleout, peer_windows, args.rank, signature, num_local_experts,
-                                                args.num_max_tokens_per_rank, fault, args.timeout_ns))
+        if (channel == args.rank % num_channels and
+            not forward_counts(fw, scaleout, peer_windows, args.rank, signature, kCached ? 0 : num_local_experts,
+                               args.num_max_tokens_per_rank, fault, args.timeout_ns))
             return;
     if constexpr (not kCached)
         if (is_count_cta and counts_first and not receive_counts()) return;
@@ -645,7 +653,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
 #pragma unroll 1
                 for (int n = 0; n < num_nodes; ++n) {
                     const int node_slot = args.node_slot_idx[static_cast<int64_t>(t) * num_nodes + n];
-                    if (n == fw.node or node_slot < 0) continue;
+                    if (n == fw.node or node_slot < 0 or node_slot >= args.num_max_tokens_per_rank) continue;
                     int* header = reinterpret_cast<int*>(
                         scaleout.window() + fw.header_staging_offset(n, t, args.num_max_tokens_per_rank));
                     if (lane_idx < fw.num_ranks_per_node)
@@ -699,7 +707,8 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
             for (int n = 0; n < num_nodes; ++n) {
                 const int node_slot =
                     t < task_end and n != fw.node ? args.node_slot_idx[static_cast<int64_t>(t) * num_nodes + n] : -1;
-                const uint32_t hits = __ballot_sync(0xffffffff, node_slot >= 0);
+                const uint32_t hits =
+                    __ballot_sync(0xffffffff, node_slot >= 0 and node_slot < args.num_max_tokens_per_rank);
                 if (hits != 0 and lane_idx == __ffs(hits) - 1)
                     signal_forward_arrivals(transport, scaleout, fw.forwarder(n), fw.node, node_slot, __popc(hits),
                                             args.arrival_block);
