@@ -33,11 +33,11 @@ namespace deep_ep {
 struct Forwarding {
     int num_ranks_per_node;  // S
     int num_nodes;
-    int node;                  // ours
-    int local_rank;            // ours, inside the node
-    int header_bytes;          // align(4 S, 16)
-    int64_t forward_offset;    // window offset of the forward region
-    int64_t header_staging;    // window offset of the headers' staging ([node][token])
+    int node;                // ours
+    int local_rank;          // ours, inside the node
+    int header_bytes;        // align(4 S, 16)
+    int64_t forward_offset;  // window offset of the forward region
+    int64_t header_staging;  // window offset of the headers' staging ([node][token])
 
     // `rank` of `num_ranks`; the region as `scaleout` describes it; records of `record_bytes` and
     // `num_max_tokens` per rank (the call's)
@@ -138,7 +138,8 @@ __device__ __forceinline__ bool forward_counts(const Forwarding& fw, const Scale
         const int pair = i / num_local_experts, e = i % num_local_experts, m = pair / S;
         if (m == fw.node) continue;
         const int source = fw.rank_of(m, fw.local_rank);
-        const int* from = reinterpret_cast<const int*>(scaleout.window() + forward_expert_counts_offset(scaleout, pair));
+        const int* from =
+            reinterpret_cast<const int*>(scaleout.window() + forward_expert_counts_offset(scaleout, pair));
         int* to = reinterpret_cast<int*>(static_cast<char*>(peer_windows[fw.rank_of(fw.node, pair % S)]) +
                                          kRecvExpertCountOffset) +
                   source * kMaxLocalExperts;
@@ -149,7 +150,8 @@ __device__ __forceinline__ bool forward_counts(const Forwarding& fw, const Scale
         const int m = threadIdx.x / S, source = fw.rank_of(m, fw.local_rank);
         // The CTA's per-expert counts (ordered before this thread by the barrier) before the flag
         fence_acq_rel_sys();
-        st_relaxed_sys_u64(count_flags(peer_windows[fw.rank_of(fw.node, threadIdx.x % S)]) + source, flags[threadIdx.x]);
+        st_relaxed_sys_u64(count_flags(peer_windows[fw.rank_of(fw.node, threadIdx.x % S)]) + source,
+                           flags[threadIdx.x]);
     }
     return true;
 }
@@ -168,8 +170,8 @@ __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const 
     int num_records = 0;
     bool ok = true;
     if (lane_idx == 0) {
-        num_records = wait_forward_flag(scaleout.word(kForwardRecordFlagOffset, m), source, signature,
-                                        num_max_tokens, fault, rank, timeout_ns);
+        num_records = wait_forward_flag(scaleout.word(kForwardRecordFlagOffset, m), source, signature, num_max_tokens,
+                                        fault, rank, timeout_ns);
         ok = num_records >= 0;
         const int expected = ok ? arrival_block_size(num_records, block, arrival_block) : 0;
         if (ok and expected > 0) {
@@ -199,9 +201,9 @@ __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const 
             const int j = __ffs(dsts) - 1;
             dsts &= dsts - 1;
             const int slot_at_j = __shfl_sync(0xffffffff, dst_slot, j);
-            int4* dst = reinterpret_cast<int4*>(static_cast<char*>(peer_windows[fw.rank_of(fw.node, j)]) +
-                                                kWorkspaceBytes +
-                                                (int64_t(source) * num_max_tokens + slot_at_j) * kRecordBytes);
+            int4* dst =
+                reinterpret_cast<int4*>(static_cast<char*>(peer_windows[fw.rank_of(fw.node, j)]) + kWorkspaceBytes +
+                                        (int64_t(source) * num_max_tokens + slot_at_j) * kRecordBytes);
             const int4* src = reinterpret_cast<const int4*>(record);
             for (int v = lane_idx; v < kRecordVectors; v += 32) st_na_v4(dst + v, ld_window_v4(src + v));
         }

@@ -196,7 +196,8 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
             const int d = __shfl_sync(0xffffffff, holder, k);
             if (d < 0) continue;
             const int node = d / num_ranks_per_node;
-            const uint32_t lanes_of_node = __ballot_sync(0xffffffff, holder >= 0 and holder / num_ranks_per_node == node);
+            const uint32_t lanes_of_node =
+                __ballot_sync(0xffffffff, holder >= 0 and holder / num_ranks_per_node == node);
             if (k != 31 and (lanes_of_node >> (k + 1)) != 0) continue;
             float partial[kUnroll][8] = {};
 #pragma unroll

@@ -215,7 +215,8 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     // Hybrid mode: where the forwarding words are, in shared memory (the sends hold many registers)
     __shared__ Forwarding fw;
     if constexpr (kForward) {
-        if (threadIdx.x == 0) fw = Forwarding(scaleout, args.rank, kNumRanks, Record::kBytes, args.num_max_tokens_per_rank);
+        if (threadIdx.x == 0)
+            fw = Forwarding(scaleout, args.rank, kNumRanks, Record::kBytes, args.num_max_tokens_per_rank);
         __syncthreads();
     }
 
@@ -382,25 +383,34 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
             }
         }
         __syncthreads();
-        if (kForward and is_remote and threadIdx.x < 32) {
-            // Hybrid mode: to `d`'s forwarder, which passes them on (forward.cuh); the one of the node
-            // that is `d` itself also learns how many forward records we send it
-            const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
-            const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
-            const int dst_node = d / fw.num_ranks_per_node, forwarder = fw.forwarder(dst_node);
-            const int pair = fw.rank_of(fw.node, d % fw.num_ranks_per_node);
-            if constexpr (not kCached)
-                transport.put_warp(lane_idx, forwarder, forward_expert_counts_offset(scaleout, pair),
-                                   scaleout.count_staging_offset(d), align_up(num_local_experts * 4, 16));
-            if (threadIdx.x == 0) {
-                transport.signal_add(forwarder, forward_count_flag_offset(scaleout, pair), count_flag(signature, count));
-                if (d == forwarder) {
-                    const int num_records = kCached ? args.num_tokens_per_node[dst_node] : (is_bad ? 0 : node_total[dst_node]);
-                    transport.signal_add(forwarder, forward_record_flag_offset(scaleout, fw.node),
-                                         count_flag(signature, min(max(num_records, 0), args.num_max_tokens_per_rank)));
+        if constexpr (kForward) {
+            if (is_remote) {
+                if (threadIdx.x < 32) {
+                    // Hybrid mode: to `d`'s forwarder, which passes them on (forward.cuh); the one of the node
+                    // that is `d` itself also learns how many forward records we send it
+                    const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
+                    const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
+                    const int dst_node = d / fw.num_ranks_per_node, forwarder = fw.forwarder(dst_node);
+                    const int pair = fw.rank_of(fw.node, d % fw.num_ranks_per_node);
+                    if constexpr (not kCached)
+                        transport.put_warp(lane_idx, forwarder, forward_expert_counts_offset(scaleout, pair),
+                                           scaleout.count_staging_offset(d), align_up(num_local_experts * 4, 16));
+                    if (threadIdx.x == 0) {
+                        transport.signal_add(forwarder, forward_count_flag_offset(scaleout, pair),
+                                             count_flag(signature, count));
+                        if (d == forwarder) {
+                            const int num_records =
+                                kCached ? args.num_tokens_per_node[dst_node] : (is_bad ? 0 : node_total[dst_node]);
+                            transport.signal_add(
+                                forwarder, forward_record_flag_offset(scaleout, fw.node),
+                                count_flag(signature, min(max(num_records, 0), args.num_max_tokens_per_rank)));
+                        }
+                    }
                 }
+                continue;
             }
-        } else if (is_remote and threadIdx.x < 32) {
+        }
+        if (is_remote and threadIdx.x < 32) {
             const int num_sent = kCached ? args.num_tokens_per_rank[d] : (is_bad ? 0 : rank_total[d]);
             const int count = min(max(num_sent, 0), args.num_max_tokens_per_rank);
             if constexpr (not kCached)
@@ -522,10 +532,9 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         if constexpr (kForward) {
             if (task >= num_tasks) {
                 const int m = (task - num_tasks) / num_relay_blocks, block = (task - num_tasks) % num_relay_blocks;
-                if (m != fw.node and
-                    not relay_forward_block<Record::kBytes>(fw, scaleout, peer_windows, m, block, args.arrival_block,
-                                                            signature, args.num_max_tokens_per_rank, fault, args.rank,
-                                                            args.timeout_ns))
+                if (m != fw.node and not relay_forward_block<Record::kBytes>(
+                                         fw, scaleout, peer_windows, m, block, args.arrival_block, signature,
+                                         args.num_max_tokens_per_rank, fault, args.rank, args.timeout_ns))
                     break;
                 continue;
             }
@@ -654,19 +663,19 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                 for (int n = 0; n < num_nodes; ++n) {
                     const int node_slot = args.node_slot_idx[static_cast<int64_t>(t) * num_nodes + n];
                     if (n == fw.node or node_slot < 0 or node_slot >= args.num_max_tokens_per_rank) continue;
-                    int* header = reinterpret_cast<int*>(
-                        scaleout.window() + fw.header_staging_offset(n, t, args.num_max_tokens_per_rank));
+                    int* header = reinterpret_cast<int*>(scaleout.window() +
+                                                         fw.header_staging_offset(n, t, args.num_max_tokens_per_rank));
                     if (lane_idx < fw.num_ranks_per_node)
                         header[lane_idx] = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + fw.rank_of(n, lane_idx)];
-                    const size_t at = fw.record_offset(fw.node, node_slot, Record::kBytes, args.num_max_tokens_per_rank);
+                    const size_t at =
+                        fw.record_offset(fw.node, node_slot, Record::kBytes, args.num_max_tokens_per_rank);
                     // The body, then the header (one call site: the transport's put inlines large)
 #pragma unroll 1
                     for (int piece = 0; piece < 2; ++piece)
-                        transport.put_warp(
-                            lane_idx, fw.forwarder(n), piece == 0 ? at : at + Record::kBytes,
-                            piece == 0 ? scaleout.staging_offset(t, Record::kBytes)
-                                       : fw.header_staging_offset(n, t, args.num_max_tokens_per_rank),
-                            piece == 0 ? Record::kBytes : fw.header_bytes);
+                        transport.put_warp(lane_idx, fw.forwarder(n), piece == 0 ? at : at + Record::kBytes,
+                                           piece == 0 ? scaleout.staging_offset(t, Record::kBytes)
+                                                      : fw.header_staging_offset(n, t, args.num_max_tokens_per_rank),
+                                           piece == 0 ? Record::kBytes : fw.header_bytes);
                 }
             }
         } else if constexpr (Transport::kHasRemote) {
