@@ -177,49 +177,55 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
             load_part<kRowVectors, kUnroll>(lane_idx, part, bias + static_cast<int64_t>(t) * kRowVectors, values);
             add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
         }
-        // The row holder `d` sent back for lane `k`, added to `into`
-        auto add_row = [&](int d, int k, float (&into)[kUnroll][8]) {
-            if (d == args.rank and has_local_rows) {
-                add_part<kRowVectors, kUnroll>(lane_idx, part, into, own_values);
-                return;
-            }
-            load_part<kRowVectors, kUnroll, true>(
-                lane_idx, part, reinterpret_cast<const int4*>(slot_at(t, d, slot_of_rank(d), k)), values);
-            add_part<kRowVectors, kUnroll>(lane_idx, part, into, values);
-        };
         // Hybrid mode (one row per holder): per node, at the node's last lane, the partial of its
         // holders (ascending order of their last lane, from +0.0, rounded once to BF16), so nodes come
-        // in ascending order of their last lane (docs/semantics.md)
+        // in ascending order of their last lane (docs/semantics.md). Direct mode's loop below is
+        // instruction for instruction what it was without hybrid mode
         const int num_ranks_per_node = Transport::kHasRemote and kNumRows == 1 ? args.num_ranks_per_node : 0;
+        if (num_ranks_per_node > 0) {
 #pragma unroll
-        for (int k = 0; num_ranks_per_node > 0 and k < kNumTopk; ++k) {
-            const int d = __shfl_sync(0xffffffff, holder, k);
-            if (d < 0) continue;
-            const int node = d / num_ranks_per_node;
-            const uint32_t lanes_of_node =
-                __ballot_sync(0xffffffff, holder >= 0 and holder / num_ranks_per_node == node);
-            if (k != 31 and (lanes_of_node >> (k + 1)) != 0) continue;
-            float partial[kUnroll][8] = {};
+            for (int k = 0; k < kNumTopk; ++k) {
+                const int d = __shfl_sync(0xffffffff, holder, k);
+                if (d < 0) continue;
+                const int node = d / num_ranks_per_node;
+                const uint32_t lanes_of_node =
+                    __ballot_sync(0xffffffff, holder >= 0 and holder / num_ranks_per_node == node);
+                if (k != 31 and (lanes_of_node >> (k + 1)) != 0) continue;
+                float partial[kUnroll][8] = {};
 #pragma unroll
-            for (int j = 0; j <= k; ++j) {
-                const int d_j = __shfl_sync(0xffffffff, holder, j);
-                const uint32_t lanes_of_d_j = __ballot_sync(0xffffffff, holder == d_j);
-                if (d_j < 0 or d_j / num_ranks_per_node != node or (j != 31 and (lanes_of_d_j >> (j + 1)) != 0))
-                    continue;
-                add_row(d_j, j, partial);
+                for (int j = 0; j <= k; ++j) {
+                    const int d_j = __shfl_sync(0xffffffff, holder, j);
+                    const uint32_t lanes_of_d_j = __ballot_sync(0xffffffff, holder == d_j);
+                    if (d_j < 0 or d_j / num_ranks_per_node != node or (j != 31 and (lanes_of_d_j >> (j + 1)) != 0))
+                        continue;
+                    if (d_j == args.rank and has_local_rows) {
+                        add_part<kRowVectors, kUnroll>(lane_idx, part, partial, own_values);
+                        continue;
+                    }
+                    load_part<kRowVectors, kUnroll, true>(
+                        lane_idx, part, reinterpret_cast<const int4*>(slot_at(t, d_j, slot_of_rank(d_j), j)), values);
+                    add_part<kRowVectors, kUnroll>(lane_idx, part, partial, values);
+                }
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) values[u] = round_bf16x8(partial[u]);
+                add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
             }
+        } else {
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) values[u] = round_bf16x8(partial[u]);
-            add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
-        }
-#pragma unroll
-        for (int k = 0; num_ranks_per_node == 0 and k < kNumTopk; ++k) {
-            const int d = __shfl_sync(0xffffffff, holder, k);  // the same on every lane
-            if (d < 0) continue;
-            const uint32_t lanes_of_d = __ballot_sync(0xffffffff, holder == d);
-            const bool is_last_lane = k == 31 or (lanes_of_d >> (k + 1)) == 0;
-            if ((kNumRows == 1 or (d == args.rank and has_local_rows)) and not is_last_lane) continue;
-            add_row(d, k, acc);
+            for (int k = 0; k < kNumTopk; ++k) {
+                const int d = __shfl_sync(0xffffffff, holder, k);  // the same on every lane
+                if (d < 0) continue;
+                const uint32_t lanes_of_d = __ballot_sync(0xffffffff, holder == d);
+                const bool is_last_lane = k == 31 or (lanes_of_d >> (k + 1)) == 0;
+                if (d == args.rank and has_local_rows) {
+                    if (is_last_lane) add_part<kRowVectors, kUnroll>(lane_idx, part, acc, own_values);
+                    continue;
+                }
+                if (kNumRows == 1 and not is_last_lane) continue;
+                load_part<kRowVectors, kUnroll, true>(
+                    lane_idx, part, reinterpret_cast<const int4*>(slot_at(t, d, slot_of_rank(d), k)), values);
+                add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
+            }
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
