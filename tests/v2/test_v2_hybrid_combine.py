@@ -94,3 +94,20 @@ def test_hybrid_mode_past_v2s_node_limit_is_refused() -> None:
     refused = world.run(make, True)
     assert all("hybrid mode needs <= 32 nodes of <= 64 ranks" in r and "got 34 nodes of 1 ranks" in r for r in refused)
     assert world.run(make, False) == ["created"] * 34  # direct mode has no such limit
+
+
+def test_the_kernels_take_hybrid_mode_but_not_with_rank_masking() -> None:
+    """Which backend a hybrid buffer gets (`ElasticBuffer` asks the backend class before it builds
+    one): the kernels serve hybrid mode with or without multiple reduction, not with rank masking,
+    and their runtime gets one node per scale-up domain."""
+    from types import SimpleNamespace
+
+    from deep_ep.backends.kernels.backend import NvlinkBackend, hybrid_nodes
+    from deep_ep.backends.reference.backend import ReferenceBackend
+
+    for multiple in (True, False):
+        assert NvlinkBackend.hybrid_mode_unsupported_reason(multiple, False) is None
+        assert "enable_rank_masking=False" in NvlinkBackend.hybrid_mode_unsupported_reason(multiple, True)
+        assert ReferenceBackend.hybrid_mode_unsupported_reason(multiple, True) is None
+    for num_ranks, per_node, nodes in ((16, 4, 4), (8, 4, 2), (8, 8, 0), (8, 0, 0)):
+        assert hybrid_nodes(SimpleNamespace(num_ranks=num_ranks, num_scaleup_ranks=per_node)) == nodes

@@ -31,6 +31,9 @@
 // window (at its token's place in the staging region: no entry is reused within a kernel, so no
 // flush waits in the loop) and put to each remote destination, and the task's arrival signal
 // follows its puts on the warp's context; the counts are staged and put before their flag.
+// In hybrid mode (`Transport::kHybrid`, forward.cuh) a token goes instead once per remote node, to
+// the node's forwarder, with a header of its slots there; the layout also numbers each token's slot
+// per node (`node_slot_idx`), and every rank relays what the other nodes' sources sent it.
 
 #include <climits>
 
