@@ -228,9 +228,9 @@ class NvlinkRuntime:
         # Peers outside the scale-up domain: a scale-out region after the data region (scaleout.cuh),
         # whose staging ring gives each warp of the largest grid its entries
         self.num_scaleup_ranks = transport.num_scaleup_ranks
-        # Hybrid mode's nodes (0: direct mode): a fresh dispatch (its kernel over `hybrid-<transport>`)
-        # sends each token once per remote node, to its forwarder there (forward.cuh); cached
-        # dispatches and combines are direct so far
+        # Hybrid mode's nodes (0: direct mode): a dispatch (its kernel over `hybrid-<transport>`) sends
+        # each token once per remote node, to its forwarder there (forward.cuh); a combine sends its
+        # rows directly and the home rank adds them per node first (docs/hybrid.md)
         if num_hybrid_nodes and not transport.has_remote_peers:
             raise ValueError(f"hybrid mode ({num_hybrid_nodes} nodes) needs a transport with remote peers")
         self.num_hybrid_nodes = num_hybrid_nodes
