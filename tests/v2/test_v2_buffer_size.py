@@ -90,7 +90,8 @@ def test_the_buffer_allocates_the_hint(group: dist.ProcessGroup) -> None:
 
 
 def test_the_hybrid_bound_is_at_most_v2s_hybrid_hint_up_to_ep2048() -> None:
-    # Hybrid mode is not built yet; the hint already reserves its forward slots (one source block per node)
+    # The hint reserves hybrid mode's forward records (one source block per node); the kernels keep theirs in
+    # the window's scale-out region so far (docs/hybrid.md)
     worst = 0.0
     for num_scaleup, num_scaleout, num_tokens, num_topk, fp8, multiple in itertools.product(
         (2, 4, 8, 64), (2, 4, 8, 32), (128, 4096), (0, 1, 8, 9, 32), (False, True), (False, True)
