@@ -168,8 +168,8 @@ def nodes_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig, num_ran
 
 def kernel_specs(config: BenchConfig) -> list:
     """The kernels of both modes over the eager NIC: those of direct mode (`cases.kernel_specs`) and
-    hybrid mode's dispatches."""
-    from ..backends.kernels.specs import dispatch_spec
+    hybrid mode's dispatches and node-stage combine epilogue."""
+    from ..backends.kernels.specs import combine_epilogue_spec, dispatch_spec
 
     specs = direct_kernel_specs(config, NIC_TRANSPORT)
     for case in config.cases:
@@ -178,6 +178,8 @@ def kernel_specs(config: BenchConfig) -> list:
         )
         specs += [dispatch_spec(config.num_ranks, hidden_bytes, scale_bytes, case.num_topk, cached, False,
                                 f"hybrid-{NIC_TRANSPORT}") for cached in (False, True)]  # fmt: skip
+        specs.append(combine_epilogue_spec(config.num_ranks, case.hidden, case.num_topk, 1, False,
+                                           f"hybrid-{NIC_TRANSPORT}"))  # fmt: skip
     return list(dict.fromkeys(specs))
 
 

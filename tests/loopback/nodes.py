@@ -121,12 +121,15 @@ def node_test_specs() -> list:
     found += [kernels.dispatch_epilogue_spec(*shape, False, False, transport)]
     found += [kernels.combine_spec(4, NODE_HIDDEN, 8, 1, False, False, transport),
               kernels.combine_epilogue_spec(4, NODE_HIDDEN, 8, 1, False, transport)]  # fmt: skip
-    # Hybrid mode's dispatches (fresh and cached), the BF16 shape of each world size, both NIC modes (the
+    # Hybrid mode's dispatches (fresh and cached) and node-stage epilogue, the BF16 shape of each world size,
+    # both NIC modes (the
     # hybrid sweep's other dtypes differ only in the scales' bytes; CI's time keeps them out)
     for num_ranks, ((hidden, num_topk, _),) in NODE_SHAPES.items():
         found += [kernels.dispatch_spec(num_ranks, *row_bytes("bf16", hidden), num_topk, cached, False,
                                         f"hybrid-emulated-{mode}") for mode in ("eager", "strict")
                   for cached in (False, True)]  # fmt: skip
+        found += [kernels.combine_epilogue_spec(num_ranks, hidden, num_topk, 1, False, f"hybrid-emulated-{mode}")
+                  for mode in ("eager", "strict")]  # fmt: skip
     return list(dict.fromkeys(found))
 
 

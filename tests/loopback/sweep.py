@@ -63,6 +63,8 @@ def kernel_specs(num_ranks: int, transport: str = "lsa", shapes: dict = SHAPES,
         for num_rows, expand in sorted(rows):
             specs.append(kernels.combine_spec(num_ranks, hidden, num_topk, num_rows, expand, False, transport))
             specs.append(kernels.combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows, False, transport))
+        if hybrid:  # the node stage's epilogue (one row per holder)
+            specs.append(kernels.combine_epilogue_spec(num_ranks, hidden, num_topk, 1, False, f"hybrid-{transport}"))
     return list(dict.fromkeys(specs))
 
 

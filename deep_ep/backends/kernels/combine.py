@@ -24,9 +24,10 @@ from .scaleout import check_ring
 
 
 def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: int, do_expand: bool,
-                  num_max_tokens_per_rank: int, num_sms: int) -> LaunchPlan:  # fmt: skip
-    """The plan of a combine shape (its kernels: combine, epilogue), made the first time it runs."""
-    key = ("combine", hidden, num_topk, num_rows, do_expand, num_max_tokens_per_rank, num_sms)
+                  num_max_tokens_per_rank: int, num_sms: int, node_stage: bool) -> LaunchPlan:  # fmt: skip
+    """The plan of a combine shape (its kernels: combine, epilogue; with `node_stage`, hybrid mode's
+    epilogue), made the first time it runs."""
+    key = ("combine", hidden, num_topk, num_rows, do_expand, num_max_tokens_per_rank, num_sms, node_stage)
     plan = runtime.plans.get(key)
     if plan is not None:
         return plan
@@ -46,7 +47,8 @@ def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: 
     masking, transport = runtime.rank_masking, runtime.transport_kind
     kernels = runtime.share.load([
         specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand, masking, transport),
-        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, masking, transport),
+        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, masking,
+                                    f"hybrid-{transport}" if node_stage else transport),
     ])  # fmt: skip
     plan = LaunchPlan(kernels, grid,
                       specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk),
@@ -97,8 +99,13 @@ def run_combine(
     num_tokens, num_topk = topk_idx.shape
     hidden = x.shape[1]
     num_local_experts = num_experts // runtime.num_ranks
-    num_rows = min(num_topk, num_local_experts) if (do_expand and not allow_multiple_reduction) else 1
-    plan = _combine_plan(runtime, hidden, num_topk, num_rows, do_expand, num_max_tokens_per_rank, num_sms)
+    per_lane = do_expand and not allow_multiple_reduction
+    num_rows = min(num_topk, num_local_experts) if per_lane else 1
+    # Hybrid mode's node stage, but where every lane's row travels alone (docs/semantics.md: also with
+    # one local expert, whose single row per holder is still a lane's)
+    node_stage = runtime.num_hybrid_nodes > 0 and not per_lane
+    plan = _combine_plan(runtime, hidden, num_topk, num_rows, do_expand, num_max_tokens_per_rank, num_sms,
+                         node_stage)  # fmt: skip
     (combine_kernel, epilogue_kernel), num_sms = plan.kernels, plan.num_sms
     op_hash, arrival_slots = plan.op_hash, plan.arrival_slots
     empty = runtime.share.empty
@@ -129,7 +136,7 @@ def run_combine(
             num_tokens=num_tokens, num_max_tokens_per_rank=num_max_tokens_per_rank,
             num_experts_per_rank=num_local_experts, rank=runtime.rank, arrival_block=arrival_slots, op_hash=op_hash,
             error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns,
-            num_ranks_per_node=runtime.num_scaleup_ranks if runtime.num_hybrid_nodes else 0)  # fmt: skip
+            num_ranks_per_node=runtime.num_scaleup_ranks)  # fmt: skip
         grid = runtime.grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
         if before_epilogue is not None:
             before_epilogue()

@@ -54,8 +54,8 @@ struct CombineEpilogueArgs {
     int op_hash;  // what this operation is (arrivals.cuh: op_signature)
     int64_t* error_block;
     uint64_t timeout_ns;
-    // Hybrid mode's node stage (over transports with remote peers): the ranks of a node, whose
-    // holders' rows are summed and rounded per node first; 0 in direct mode
+    // Hybrid mode's node stage (`Hybrid<T>` transports): the ranks of a node, whose holders' rows are
+    // summed and rounded per node first
     int num_ranks_per_node;
 };
 
@@ -179,9 +179,9 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
         }
         // Hybrid mode (one row per holder): per node, at the node's last lane, the partial of its
         // holders (ascending order of their last lane, from +0.0, rounded once to BF16), so nodes come
-        // in ascending order of their last lane (docs/semantics.md). Direct mode's loop below is
-        // instruction for instruction what it was without hybrid mode
-        const int num_ranks_per_node = Transport::kHasRemote and kNumRows == 1 ? args.num_ranks_per_node : 0;
+        // in ascending order of their last lane (docs/semantics.md). A kernel of its own (`Hybrid<T>`):
+        // the node stage's registers would make the direct-mode epilogue over GIN spill
+        const int num_ranks_per_node = Transport::kHybrid and kNumRows == 1 ? args.num_ranks_per_node : 0;
         if (num_ranks_per_node > 0) {
 #pragma unroll
             for (int k = 0; k < kNumTopk; ++k) {
