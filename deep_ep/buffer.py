@@ -261,9 +261,11 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                     f"buffer; 0, no default, needs `num_bytes`), got num_max_tokens_per_rank={num_max_tokens_per_rank}, "
                     f"hidden={hidden}"
                 )
+            # Across domains in hybrid mode, the window also holds its combine's node partials
             num_bytes = backend_class.get_buffer_size_hint(
                 group, num_max_tokens_per_rank, hidden, num_topk, flags["use_fp8_dispatch"],
                 flags["allow_hybrid_mode"], flags["allow_multiple_reduction"],
+                self.num_scaleup_ranks if self.num_scaleout_ranks > 1 else None,
             )  # fmt: skip
         num_bytes = as_int(op, "num_bytes", num_bytes)
         if num_bytes % BUFFER_ALIGNMENT_BYTES != 0:

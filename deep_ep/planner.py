@@ -43,6 +43,7 @@ from deep_ep.records import (
     buffer_region_bytes,
     combine_region_bytes,
     dispatch_region_bytes,
+    hybrid_combine_region_bytes,
     window_bytes,
 )
 
@@ -351,15 +352,19 @@ def buffer_size_hint(
     """Buffer bytes per rank for the MoE shape (2 MiB aligned): the window layout of
     `deep_ep.records` (`buffer_region_bytes`: no larger than DeepEP V2's hint for the same arguments,
     plus our workspace), with one more source block per domain when hybrid mode may run across
-    domains (`num_ranks_per_domain < num_ranks`; a bound for a design not built yet);
-    `num_topk = 0` counts as 32 lanes."""
+    domains (`num_ranks_per_domain < num_ranks`), and room for its combine's holder slots and node
+    partials (`hybrid_combine_region_bytes`); `num_topk = 0` counts as 32 lanes."""
     num_topk = num_topk if num_topk > 0 else 32
     per_domain = num_ranks if num_ranks_per_domain is None else num_ranks_per_domain
     num_slot_ranks = num_ranks
+    region = 0
     if allow_hybrid_mode and per_domain < num_ranks:
         num_slot_ranks += num_ranks // per_domain
-    return window_bytes(buffer_region_bytes(num_slot_ranks, num_max_tokens_per_rank, hidden, num_topk,
-                                            use_fp8_dispatch, allow_multiple_reduction))  # fmt: skip
+        region = hybrid_combine_region_bytes(num_ranks, num_ranks // per_domain, num_max_tokens_per_rank, hidden,
+                                             num_topk)  # fmt: skip
+    region = max(region, buffer_region_bytes(num_slot_ranks, num_max_tokens_per_rank, hidden, num_topk,
+                                             use_fp8_dispatch, allow_multiple_reduction))  # fmt: skip
+    return window_bytes(region)
 
 
 def _buffer_bytes(shape: MoEShape, num_ranks: int, num_domains: int, mode: str) -> tuple[int, int]:
@@ -368,10 +373,11 @@ def _buffer_bytes(shape: MoEShape, num_ranks: int, num_domains: int, mode: str) 
     hidden_bytes = shape.hidden if shape.fp8_dispatch else 2 * shape.hidden
     scale_bytes = 4 * math.ceil(shape.hidden / 128) if shape.fp8_dispatch else 0
     record = DispatchRecordLayout(hidden_bytes, scale_bytes, shape.num_topk).num_bytes
-    return (
-        window_bytes(dispatch_region_bytes(num_slot_ranks, shape.num_tokens, record)),
-        window_bytes(combine_region_bytes(num_slot_ranks, shape.num_tokens, shape.hidden, shape.num_topk, 1)),
-    )
+    if mode == "hybrid":
+        combine = hybrid_combine_region_bytes(num_ranks, num_domains, shape.num_tokens, shape.hidden, shape.num_topk)
+    else:
+        combine = combine_region_bytes(num_slot_ranks, shape.num_tokens, shape.hidden, shape.num_topk, 1)
+    return window_bytes(dispatch_region_bytes(num_slot_ranks, shape.num_tokens, record)), window_bytes(combine)
 
 
 def plan(

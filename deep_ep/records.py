@@ -98,6 +98,14 @@ def combine_region_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: i
     return num_slots * CombineSlotLayout(hidden, num_topk).num_bytes
 
 
+def hybrid_combine_region_bytes(num_ranks: int, num_nodes: int, num_max_tokens_per_rank: int, hidden: int,
+                                num_topk: int) -> int:  # fmt: skip
+    """Bytes of hybrid mode's combine slots (one row per holder, include/deep_ep/common/combine_forward.cuh):
+    `N * Tmax` holder slots (our node's holders, and the rows we forward under remote holders'
+    indices), then `num_nodes * Tmax` slots of the partials the other nodes' forwarders send us."""
+    return (num_ranks + num_nodes) * num_max_tokens_per_rank * CombineSlotLayout(hidden, num_topk).num_bytes
+
+
 def window_bytes(num_region_bytes: int) -> int:
     """Window size: the workspace plus the larger of the dispatch records and the combine slots (they
     share the memory), 2 MiB aligned."""

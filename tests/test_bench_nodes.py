@@ -66,8 +66,8 @@ def test_totals_are_summed_over_ranks_and_divided_by_the_group_s_tokens() -> Non
     assert summary["per_token"]["dispatch_bytes"] == 0.5 and summary["per_token"]["hybrid_combine_bytes"] == 1.0
     assert "num_tokens" not in summary["per_token"]
     table = nodes.format_table([summary], "2 virtual ranks", 2).splitlines()
-    # The data line: T, dtype, routing, then hybrid over direct in dispatch (4 / 8 bytes, measured)
-    assert table[2].split()[:3] == ["4", "fp8", "uniform"] and "|           0.500 |" in table[2], table
+    # The data line: T, dtype, routing, then hybrid over direct in dispatch (4 / 8 bytes) and combine (2 / 2)
+    assert table[2].split()[:3] == ["4", "fp8", "uniform"] and "|    0.500    1.000 |" in table[2], table
     assert "at most once per remote node" in table[-1]
 
 
@@ -90,8 +90,8 @@ def test_the_kernels_it_compiles_are_the_eager_nic_s_in_both_modes() -> None:
     hybrid = f"deep_ep::transport::Hybrid<{direct}>"
     assert specs and {s.template_args[-1] for s in specs} == {direct, hybrid}, specs
     assert {s.name for s in specs} >= {"deep_ep::dispatch_impl", "deep_ep::combine_impl", "deep_ep::post_fault_impl"}
-    # Hybrid mode's dispatches (fresh and cached, per dtype) and its node-stage combine epilogue
-    assert sum(s.template_args[-1] == hybrid for s in specs) == 5, specs
+    # Hybrid mode's dispatches (fresh and cached, per dtype), its forwarding combine and node-stage epilogue
+    assert sum(s.template_args[-1] == hybrid for s in specs) == 6, specs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")

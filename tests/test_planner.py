@@ -225,7 +225,7 @@ def test_detect_hardware_keeps_the_calibrated_rates():
 
 def test_buffer_size_hint_is_the_window_layout_and_hybrid_adds_domain_slots():
     from deep_ep.backends.kernels.backend import NvlinkBackend
-    from deep_ep.records import WORKSPACE_BYTES, buffer_region_bytes, window_bytes
+    from deep_ep.records import WORKSPACE_BYTES, buffer_region_bytes, hybrid_combine_region_bytes, window_bytes
 
     class Group:
         def size(self) -> int:
@@ -237,7 +237,10 @@ def test_buffer_size_hint_is_the_window_layout_and_hybrid_adds_domain_slots():
         assert hint == window_bytes(region) >= WORKSPACE_BYTES + region
         assert hint == NvlinkBackend.get_buffer_size_hint(Group(), tokens, hidden, topk, fp8, True, multiple)
     across = planner.buffer_size_hint(64, 4096, 7168, 8, True, True, True, num_ranks_per_domain=8)
-    assert across == window_bytes(buffer_region_bytes(64 + 8, 4096, 7168, 8, True, True))
+    # FP8 records, so hybrid mode's combine (64 ranks' holder slots and 8 node partials) is the larger
+    combine = hybrid_combine_region_bytes(64, 8, 4096, 7168, 8)
+    assert combine > buffer_region_bytes(64 + 8, 4096, 7168, 8, True, True)
+    assert across == window_bytes(combine)
     assert planner.buffer_size_hint(64, 4096, 7168, 8, True, False, True, num_ranks_per_domain=8) < across
 
 

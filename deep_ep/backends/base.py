@@ -435,12 +435,14 @@ class EPBackend(abc.ABC):
         use_fp8_dispatch: bool = False,
         allow_hybrid_mode: bool = True,
         allow_multiple_reduction: bool = True,
+        num_ranks_per_domain: int | None = None,
     ) -> int:
         """Return the buffer bytes for the MoE shape (2 MiB aligned; `deep_ep.planner.buffer_size_hint`:
-        the NVLink window layout, so a buffer sized here also fits the kernels); no communication."""
+        the NVLink window layout, so a buffer sized here also fits the kernels; with
+        `num_ranks_per_domain`, hybrid mode's across the group's domains); no communication."""
         return planner.buffer_size_hint(
             group.size(), num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
-            allow_multiple_reduction,
+            allow_multiple_reduction, num_ranks_per_domain,
         )  # fmt: skip
 
     @property

@@ -12,12 +12,12 @@ its NIC counters around each call:
   source on another node);
 - expected in hybrid mode: a forward record (record and a header of the node's slots) per (token,
   destination node other than ours), so each token at most once per node, and the per-expert counts
-  once per rank on another node (through its forwarder). Its combine sends rows as direct mode
-  does so far (the home rank adds hybrid mode's node stage); the forwarders' partials, a row per
-  (token, node other than home's), are modelled.
+  once per rank on another node (through its forwarder); in combine the forwarders' partials, a row
+  per (token, node other than home's).
 
-Measured and expected must agree to the byte. Totals are over all ranks, per token of the group
-(`N_ranks x T` tokens).
+Measured and expected must agree to the byte: per rank, except hybrid mode's combine, whose partials
+a rank puts for its rail peers' tokens (checked over the group's total). Totals are over all ranks,
+per token of the group (`N_ranks x T` tokens).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def modelled_bytes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num
     """What `rank` puts through the NIC in direct mode and in hybrid mode, for its routing `topk_idx`
     (`[T, K]` int64 on the CPU, `-1` for none) and the tokens it received from each source
     (`num_recv_per_source`, `[num_ranks]`): `direct_*` and `hybrid_*` bytes (dispatch and combine;
-    hybrid combine: the forwarders' partials, modelled), and the (token, remote rank) and (token,
-    remote node) pairs."""
+    hybrid combine: the partials of `rank`'s tokens, which its forwarders put), and the (token,
+    remote rank) and (token, remote node) pairs."""
     num_local_experts = num_experts // num_ranks
     node = rank // num_ranks_per_node
     num_nodes = num_ranks // num_ranks_per_node
@@ -143,15 +143,19 @@ def nodes_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig, num_ran
         hybrid_dispatched, hybrid_combined, hybrid_per_source, _ = _measure(group, case, config, rank, True,
                                                                             f"{what}, hybrid mode")  # fmt: skip
         model = modelled_bytes(topk_idx, case.num_experts, num_ranks, num_ranks_per_node, rank, per_source, case)
-        # Hybrid mode's combine sends its rows as direct mode does so far (the same handle layout)
         expected = (("dispatch", "direct_dispatch_bytes", dispatched["bytes"]),
                     ("combine", "direct_combine_bytes", combined_traffic["bytes"]),
-                    ("hybrid dispatch", "hybrid_dispatch_bytes", hybrid_dispatched["bytes"]),
-                    ("hybrid combine", "direct_combine_bytes", hybrid_combined["bytes"]))  # fmt: skip
+                    ("hybrid dispatch", "hybrid_dispatch_bytes", hybrid_dispatched["bytes"]))  # fmt: skip
         for op, name, counted in expected:
             if counted != model[name]:
                 raise AssertionError(f"{what}, rank {rank}: the NIC took {counted} bytes in {op}, {model[name]} expected "
                                      f"({name}) for this routing")  # fmt: skip
+        # Hybrid mode's combine: a rank puts the partials of its rail peers' tokens, so the group's total
+        totals = torch.tensor([hybrid_combined["bytes"], model["hybrid_combine_bytes"]], dtype=torch.int64)
+        dist.all_reduce(totals, group=group)
+        if totals[0] != totals[1]:
+            raise AssertionError(f"{what}: the NICs took {int(totals[0])} bytes in hybrid combine, "
+                                 f"{int(totals[1])} expected (a partial per token and remote node)")  # fmt: skip
         if hybrid_per_source != per_source:
             raise AssertionError(f"{what}, rank {rank}: hybrid mode received {hybrid_per_source}, direct {per_source}")
         rows.append(dict(case=dict(num_tokens=case.num_tokens, dtype=case.dtype, routing=case.routing,
@@ -168,8 +172,8 @@ def nodes_rank(rank: int, group: dist.ProcessGroup, config: BenchConfig, num_ran
 
 def kernel_specs(config: BenchConfig) -> list:
     """The kernels of both modes over the eager NIC: those of direct mode (`cases.kernel_specs`) and
-    hybrid mode's dispatches and node-stage combine epilogue."""
-    from ..backends.kernels.specs import combine_epilogue_spec, dispatch_spec
+    hybrid mode's dispatches, forwarding combine and node-stage combine epilogue."""
+    from ..backends.kernels.specs import combine_epilogue_spec, combine_spec, dispatch_spec
 
     specs = direct_kernel_specs(config, NIC_TRANSPORT)
     for case in config.cases:
@@ -178,8 +182,9 @@ def kernel_specs(config: BenchConfig) -> list:
         )
         specs += [dispatch_spec(config.num_ranks, hidden_bytes, scale_bytes, case.num_topk, cached, False,
                                 f"hybrid-{NIC_TRANSPORT}") for cached in (False, True)]  # fmt: skip
-        specs.append(combine_epilogue_spec(config.num_ranks, case.hidden, case.num_topk, 1, False,
-                                           f"hybrid-{NIC_TRANSPORT}"))  # fmt: skip
+        specs += [combine_spec(config.num_ranks, case.hidden, case.num_topk, 1, False, False, f"hybrid-{NIC_TRANSPORT}"),
+                  combine_epilogue_spec(config.num_ranks, case.hidden, case.num_topk, 1, False,
+                                        f"hybrid-{NIC_TRANSPORT}")]  # fmt: skip
     return list(dict.fromkeys(specs))
 
 
@@ -201,18 +206,19 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
 def format_table(rows: list[dict], hardware: str, num_nodes: int) -> str:
     lines = [f"bytes over the NIC per token ({hardware}; {num_nodes} virtual nodes, emulated NIC; totals over ranks):",
              f"{'T':>6} {'dtype':>5} {'routing':>10} | {'direct d/c':>23} | {'hybrid d/c':>23} | "
-             f"{'hybrid/direct d':>15} | {'partials c (model)':>18} | {'records/token direct/hybrid':>27}"]  # fmt: skip
+             f"{'hybrid/direct d/c':>17} | {'records/token direct/hybrid':>27}"]  # fmt: skip
     for row in rows:
         c, p = row["case"], row["per_token"]
         ratio = p["hybrid_dispatch_measured"] / p["dispatch_bytes"] if p["dispatch_bytes"] else float("nan")
+        combine_ratio = p["hybrid_combine_measured"] / p["combine_bytes"] if p["combine_bytes"] else float("nan")
         lines.append(f"{c['num_tokens']:>6} {c['dtype']:>5} {c['routing']:>10} | "
                      f"{p['dispatch_bytes']:>11.0f} {p['combine_bytes']:>11.0f} | "
                      f"{p['hybrid_dispatch_measured']:>11.0f} {p['hybrid_combine_measured']:>11.0f} | "
-                     f"{ratio:>15.3f} | {p['hybrid_combine_bytes']:>18.0f} | "
+                     f"{ratio:>8.3f} {combine_ratio:>8.3f} | "
                      f"{p['remote_rank_hits']:>13.3f} {p['remote_node_hits']:>13.3f}")  # fmt: skip
-    lines.append("measured, both modes; equal to the bytes the routing gives on every rank (checked): hybrid mode sends "
-                 "each token at most once per remote node; its combine still sends a row per holder (the forwarders' "
-                 "partials per node are the model column, docs/hybrid.md)")  # fmt: skip
+    lines.append("measured, both modes; equal to the bytes the routing gives (checked on every rank; hybrid combine "
+                 "over the group): hybrid mode sends each token at most once per remote node, and its combine one "
+                 "partial per (token, remote node) (docs/hybrid.md)")  # fmt: skip
     return "\n".join(lines)
 
 

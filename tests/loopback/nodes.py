@@ -121,15 +121,17 @@ def node_test_specs() -> list:
     found += [kernels.dispatch_epilogue_spec(*shape, False, False, transport)]
     found += [kernels.combine_spec(4, NODE_HIDDEN, 8, 1, False, False, transport),
               kernels.combine_epilogue_spec(4, NODE_HIDDEN, 8, 1, False, transport)]  # fmt: skip
-    # Hybrid mode's dispatches (fresh and cached) and node-stage epilogue, the BF16 shape of each world size,
-    # both NIC modes (the
-    # hybrid sweep's other dtypes differ only in the scales' bytes; CI's time keeps them out)
+    # Hybrid mode's dispatches (fresh and cached), its forwarding combines (plain and expanded) and
+    # node-stage epilogue, the BF16 shape of each world size, both NIC modes (the hybrid sweep's other
+    # dtypes differ only in the scales' bytes; CI's time keeps them out)
     for num_ranks, ((hidden, num_topk, _),) in NODE_SHAPES.items():
         found += [kernels.dispatch_spec(num_ranks, *row_bytes("bf16", hidden), num_topk, cached, False,
                                         f"hybrid-emulated-{mode}") for mode in ("eager", "strict")
                   for cached in (False, True)]  # fmt: skip
         found += [kernels.combine_epilogue_spec(num_ranks, hidden, num_topk, 1, False, f"hybrid-emulated-{mode}")
                   for mode in ("eager", "strict")]  # fmt: skip
+        found += [kernels.combine_spec(num_ranks, hidden, num_topk, 1, expand, False, f"hybrid-emulated-{mode}")
+                  for mode in ("eager", "strict") for expand in (False, True)]  # fmt: skip
     return list(dict.fromkeys(found))
 
 
@@ -174,18 +176,33 @@ def expected_nic_bytes(topk_rows: list[list[int]], num_local_experts: int, num_r
             2 * remote_node_hits + num_remote_ranks)  # fmt: skip
 
 
+def expected_partials(topk_rows_of: list[list[list[int]]], num_local_experts: int, num_ranks_per_node: int,
+                      rank: int) -> int:  # fmt: skip
+    """The partials a hybrid combine of `rank` puts to the NIC (`topk_rows_of`: every rank's routing of
+    the dispatch): one per token of each of its rail peers in other nodes that has an expert in its node."""
+    node, local = divmod(rank, num_ranks_per_node)
+    num_nodes = len(topk_rows_of) // num_ranks_per_node
+    return sum(
+        1
+        for m in range(num_nodes) if m != node
+        for row in topk_rows_of[m * num_ranks_per_node + local]
+        if any(e >= 0 and e // num_local_experts // num_ranks_per_node == node for e in row)
+    )  # fmt: skip
+
+
 def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, seed: int) -> int:
     """Hybrid mode on the kernels (`allow_hybrid_mode`, without multiple reduction): fresh dispatches
     (CPU sync or not; uniform, masked or hot-node routing) that send each token once per remote node
     to its forwarder, each checked against the reference bitwise, its forward slots against
     `forward_slots` and what it handed to the NIC against `expected_nic_bytes`; then a cached dispatch
-    and a combine of its handle, bitwise. Returns the rounds checked."""
+    and a combine of its handle, bitwise, whose NIC took one partial per (token, remote node) that
+    this rank forwarded (`expected_partials`). Returns the rounds checked."""
     from kernel_checks import check_dispatch, make_inputs
     from sweep import NODE_SHAPES
 
     import deep_ep
     from deep_ep.host_reads import wait_for_stream
-    from deep_ep.records import DispatchRecordLayout
+    from deep_ep.records import CombineSlotLayout, DispatchRecordLayout
 
     num_ranks = group.size()
     num_nodes, (hidden, num_topk, _) = num_ranks // num_ranks_per_node, NODE_SHAPES[num_ranks][0]
@@ -234,9 +251,19 @@ def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, se
                            False, f"{what} cached dispatch")  # fmt: skip
             gen = torch.Generator().manual_seed(seed * 13 + round_idx * 7 + rank)
             y = torch.randn((handle.num_recv_tokens, hidden), generator=gen).to(torch.bfloat16).to("cuda")
+            rows_of: list = [None] * num_ranks
+            dist.all_gather_object(rows_of, rows, group=group)
+            wait_for_stream()
+            before = links.traffic()
             got_y = kernels.combine(y, out_k[3])[0]
+            wait_for_stream()
+            after = links.traffic()
             want_y = reference.combine(y, out_r[3])[0]
             assert torch.equal(got_y.view(torch.int16), want_y.view(torch.int16)), f"{what}: combine differs"
+            nic = (after["bytes"] - before["bytes"], after["puts"] - before["puts"])
+            partials = expected_partials(rows_of, num_local_experts, num_ranks_per_node, rank)
+            model = (partials * CombineSlotLayout(hidden, num_topk).num_bytes, partials)
+            assert nic == model, f"{what}: the combine's NIC took (bytes, puts) {nic}, hybrid mode sends {model}"
     finally:
         for buffer in buffers:
             buffer.destroy()

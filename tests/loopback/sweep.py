@@ -63,7 +63,9 @@ def kernel_specs(num_ranks: int, transport: str = "lsa", shapes: dict = SHAPES,
         for num_rows, expand in sorted(rows):
             specs.append(kernels.combine_spec(num_ranks, hidden, num_topk, num_rows, expand, False, transport))
             specs.append(kernels.combine_epilogue_spec(num_ranks, hidden, num_topk, num_rows, False, transport))
-        if hybrid:  # the node stage's epilogue (one row per holder)
+        if hybrid:  # one row per holder: the forwarders' partials and the node stage
+            specs += [kernels.combine_spec(num_ranks, hidden, num_topk, 1, expand, False, f"hybrid-{transport}")
+                      for expand in (False, True)]  # fmt: skip
             specs.append(kernels.combine_epilogue_spec(num_ranks, hidden, num_topk, 1, False, f"hybrid-{transport}"))
     return list(dict.fromkeys(specs))
 
@@ -93,12 +95,16 @@ def make_cases(num_ranks: int, num_cases: int, seed: int, shapes: dict = SHAPES,
             col_major=rng.random() < 0.5, cached_weights=rng.random() < 0.7,
         )  # fmt: skip
         cases.append(case)
-    # Corners first: no tokens anywhere; every lane -1; every token to one rank; the most experts per rank
+    # Corners first: no tokens anywhere; every lane -1; every token to one rank; the most experts per
+    # rank; a row per lane with the fewest experts per rank (one row per holder comes back, yet hybrid
+    # mode has no node stage there: its epilogue must not be picked)
+    fewest = min(e for e in local_experts if e * num_ranks >= max(shape[1] for shape in shapes[num_ranks]))
     corners = [
         dict(zero_all=True),
         dict(routing="none"),
         dict(routing="one"),
         dict(num_local_experts=max(local_experts)),
+        dict(num_local_experts=fewest, expand=True, zero_padding=False, multiple_reduction=False),
     ]
     for case, corner in zip(cases, corners, strict=False):
         case.update(corner)

@@ -4,7 +4,9 @@
 
 The epilogue is launched with programmatic dependent launch, follows the holders' arrival counters
 and reduces what has landed while the rest is still on the wire; it always runs, even on a rank
-with no tokens, because it posts this rank's window credit (credits.cuh).
+with no tokens, because it posts this rank's window credit (credits.cuh). In hybrid mode with one
+row per holder both kernels run over `hybrid-<transport>`: a remote node's holders send one partial
+per token through their forwarder (combine_forward.cuh).
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from collections.abc import Callable
 import torch
 
 from deep_ep.jit import Opaque
-from deep_ep.records import CombineSlotLayout, combine_region_bytes, combine_uses_lane_slots
+from deep_ep.records import (
+    CombineSlotLayout,
+    combine_region_bytes,
+    combine_uses_lane_slots,
+    hybrid_combine_region_bytes,
+)
 
 from . import specs
 from .dispatch import NvlinkDispatchState
@@ -26,29 +33,30 @@ from .scaleout import check_ring
 def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: int, do_expand: bool,
                   num_max_tokens_per_rank: int, num_sms: int, node_stage: bool) -> LaunchPlan:  # fmt: skip
     """The plan of a combine shape (its kernels: combine, epilogue; with `node_stage`, hybrid mode's
-    epilogue), made the first time it runs."""
+    forwarding combine and epilogue), made the first time it runs."""
     key = ("combine", hidden, num_topk, num_rows, do_expand, num_max_tokens_per_rank, num_sms, node_stage)
     plan = runtime.plans.get(key)
     if plan is not None:
         return plan
     slot = CombineSlotLayout(hidden, num_topk)
-    lane_slots = combine_uses_lane_slots(runtime.num_ranks, num_topk, num_rows)
-    runtime.check_capacity(
-        combine_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows),
-        "combine",
-        lambda: (
-            f"{num_max_tokens_per_rank} tokens x {f'{num_topk} lanes' if lane_slots else f'{runtime.num_ranks} ranks'} "
-            f"x {slot.num_bytes} bytes"
-        ),
-    )
+    num_nodes = runtime.num_hybrid_nodes if node_stage else 0
+    lane_slots = not node_stage and combine_uses_lane_slots(runtime.num_ranks, num_topk, num_rows)
+    if node_stage:
+        region_bytes = hybrid_combine_region_bytes(runtime.num_ranks, num_nodes, num_max_tokens_per_rank, hidden,
+                                                   num_topk)  # fmt: skip
+    else:
+        region_bytes = combine_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows)
+    slots = f"{num_topk} lanes" if lane_slots else f"({runtime.num_ranks} ranks + {num_nodes} node partials)"
+    runtime.check_capacity(region_bytes, "combine",
+                           lambda: f"{num_max_tokens_per_rank} tokens x {slots} x {slot.num_bytes} bytes")  # fmt: skip
     grid = runtime.comm_grid(num_sms)
     if runtime.scaleout is not None:  # staging entries for a slot's rows to a remote source
         check_ring(runtime.scaleout.ring_bytes, grid, slot.num_bytes, num_rows if do_expand else 1, "combine")
-    masking, transport = runtime.rank_masking, runtime.transport_kind
+    masking = runtime.rank_masking
+    transport = f"hybrid-{runtime.transport_kind}" if node_stage else runtime.transport_kind
     kernels = runtime.share.load([
         specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand, masking, transport),
-        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, masking,
-                                    f"hybrid-{transport}" if node_stage else transport),
+        specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, masking, transport),
     ])  # fmt: skip
     plan = LaunchPlan(kernels, grid,
                       specs.op_hash("combine", num_max_tokens_per_rank, slot.num_bytes, num_topk),
@@ -121,7 +129,8 @@ def run_combine(
         num_meta_rows=recv_src_metadata.shape[0], num_max_tokens_per_rank=num_max_tokens_per_rank,
         rank=runtime.rank, rows_per_task=rows_per_task(num_tokens * runtime.num_ranks, num_sms, 2),
         arrival_block=arrival_slots, op_hash=op_hash, error_block=data_ptr(runtime.error_block),
-        timeout_ns=runtime.timeout_ns)  # fmt: skip
+        timeout_ns=runtime.timeout_ns, forward_map=data_ptr(state.forward_map) if node_stage else 0,
+        forward_counts=data_ptr(state.forward_counts) if node_stage else 0)  # fmt: skip
     combine_kernel.launch(grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
                           args=(Opaque(bytes(combine_args)), Opaque(runtime.links.args("comm", num_qps))))  # fmt: skip
     try:
@@ -136,7 +145,10 @@ def run_combine(
             num_tokens=num_tokens, num_max_tokens_per_rank=num_max_tokens_per_rank,
             num_experts_per_rank=num_local_experts, rank=runtime.rank, arrival_block=arrival_slots, op_hash=op_hash,
             error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns,
-            num_ranks_per_node=runtime.num_scaleup_ranks)  # fmt: skip
+            num_ranks_per_node=runtime.num_scaleup_ranks,
+            node_slot_idx=data_ptr(state.node_slot_idx) if node_stage else 0,
+            num_tokens_per_node=data_ptr(state.num_tokens_per_node) if node_stage else 0,
+            forward_counts=data_ptr(state.forward_counts) if node_stage else 0)  # fmt: skip
         grid = runtime.grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
         if before_epilogue is not None:
             before_epilogue()

@@ -41,6 +41,12 @@ class NvlinkDispatchState:
     # [num_nodes] int32, the tokens sent to each node; else None
     node_slot_idx: torch.Tensor | None = None
     num_tokens_per_node: torch.Tensor | None = None
+    # Hybrid mode, what this rank relayed as a forwarder (combine_forward.cuh), for the combine's
+    # partials: [num_nodes, num_max_tokens_per_rank, num_topk] int32, per forwarded token and lane the
+    # local holder and its slot, and [num_nodes, num_ranks_per_node + 1] int32, the sources' token
+    # counts for our node's ranks and their forward records; else None
+    forward_map: torch.Tensor | None = None
+    forward_counts: torch.Tensor | None = None
 
 
 def _dispatch_outputs(
@@ -165,7 +171,7 @@ def run_dispatch(
     empty = runtime.share.empty
 
     counts_list, expand_scratch, dst_slot_idx, num_masked_lanes = None, None, None, None
-    node_slot_idx = num_tokens_per_node = None
+    node_slot_idx = num_tokens_per_node = forward_map = forward_counts = None
     num_nodes = runtime.num_hybrid_nodes
     if fresh and masking:
         num_masked_lanes = empty((1,), dtype=torch.int32, device=device)  # written by the dispatch kernel
@@ -177,12 +183,15 @@ def run_dispatch(
         if num_nodes:
             node_slot_idx = empty((num_tokens, num_nodes), dtype=torch.int32, device=device)
             num_tokens_per_node = empty((num_nodes,), dtype=torch.int32, device=device)
+            forward_map = empty((num_nodes, num_max_tokens_per_rank, num_topk), dtype=torch.int32, device=device)
+            forward_counts = empty((num_nodes, runtime.num_scaleup_ranks + 1), dtype=torch.int32, device=device)
         if expand_ranks:
             expand_scratch = runtime.expand_rank_scratch(max_recv * num_topk)
         runtime.num_experts_checked = num_experts
     else:
         slot_idx, num_tokens_per_rank = cached.slot_idx, cached.num_tokens_per_rank
         node_slot_idx, num_tokens_per_node = cached.node_slot_idx, cached.num_tokens_per_node
+        forward_map, forward_counts = cached.forward_map, cached.forward_counts
         num_recv_per_expert = cached_num_recv_tokens_per_expert
         if cumulative_stats is not None:
             cumulative_stats.add_(num_recv_per_expert)
@@ -197,7 +206,7 @@ def run_dispatch(
         )
         num_out_rows = num_expanded_rows if do_expand else max_recv
         state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, max_recv, num_expanded_rows,
-                                    node_slot_idx, num_tokens_per_node)  # fmt: skip
+                                    node_slot_idx, num_tokens_per_node, forward_map, forward_counts)  # fmt: skip
         recv_src_metadata = empty((max_recv, 2 + num_topk), dtype=torch.int32, device=device)
     if state is not None:
         outputs = _dispatch_outputs(runtime, state.num_out_rows, x, x_scales, num_topk, topk_weights is not None,
@@ -219,7 +228,8 @@ def run_dispatch(
         counts_ready=data_ptr(runtime.counts_ready) if counts_sequence else 0,
         counts_sequence=counts_sequence, counts_before_sends=int(not runtime.mask_on_timeout),
         node_slot_idx=data_ptr(node_slot_idx), num_hybrid_nodes=num_nodes,
-        num_tokens_per_node=data_ptr(num_tokens_per_node))  # fmt: skip
+        num_tokens_per_node=data_ptr(num_tokens_per_node), forward_map=data_ptr(forward_map) if fresh else 0,
+        forward_counts=data_ptr(forward_counts) if fresh else 0)  # fmt: skip
     # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
     # makes the driver guarantee it (or refuse), whatever else holds SMs (an emulated NIC's CTA too)
     dispatch_kernel.launch(grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
@@ -253,7 +263,8 @@ def run_dispatch(
                 num_expanded_rows = sum(counts_list)
                 num_out_rows = num_expanded_rows if do_expand else num_recv_tokens
                 state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_recv_tokens,
-                                            num_expanded_rows, node_slot_idx, num_tokens_per_node)  # fmt: skip
+                                            num_expanded_rows, node_slot_idx, num_tokens_per_node, forward_map,
+                                            forward_counts)  # fmt: skip
                 recv_src_metadata = empty((num_recv_tokens, 2 + num_topk), dtype=torch.int32, device=device)
                 outputs = _dispatch_outputs(runtime, num_out_rows, x, x_scales, num_topk, topk_weights is not None,
                                             do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip

@@ -57,6 +57,8 @@ class DispatchArgs(ctypes.Structure):
         ("node_slot_idx", ctypes.c_uint64),
         ("num_hybrid_nodes", ctypes.c_int),
         ("num_tokens_per_node", ctypes.c_uint64),
+        ("forward_map", ctypes.c_uint64),
+        ("forward_counts", ctypes.c_uint64),
     ]
 
 
@@ -111,6 +113,8 @@ class CombineArgs(ctypes.Structure):
         ("op_hash", ctypes.c_int),
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
+        ("forward_map", ctypes.c_uint64),
+        ("forward_counts", ctypes.c_uint64),
     ]
 
 
@@ -139,6 +143,9 @@ class CombineEpilogueArgs(ctypes.Structure):
         ("error_block", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
         ("num_ranks_per_node", ctypes.c_int),
+        ("node_slot_idx", ctypes.c_uint64),
+        ("num_tokens_per_node", ctypes.c_uint64),
+        ("forward_counts", ctypes.c_uint64),
     ]
 
 

@@ -146,17 +146,27 @@ __device__ __forceinline__ int arrival_block_size(int num_slots, int block, int 
     return min(arrival_block, num_slots - block * arrival_block);
 }
 
+// No rows under a remote rank's index in our workspace counters (all but hybrid mode's combine)
+struct NoForwardedRows {
+    __device__ __forceinline__ int operator()(int) const { return 0; }
+};
+
 // Returns the arrival counters of the blocks that were used (`num_slots(s)` slots from each source
-// s) to zero, so the next kernel pair starts from zero. Every thread of one CTA calls it, once
-// every wait on these counters is over.
-template <int kNumRanks, bool kScaleout, typename NumSlots>
+// s) to zero, so the next kernel pair starts from zero; for a remote s also the workspace counters
+// of the `num_forwarded(s)` rows our node's holders left under its index (hybrid mode's combine,
+// combine_forward.cuh). Every thread of one CTA calls it, once every wait on these counters is over.
+template <int kNumRanks, bool kScaleout, typename NumSlots, typename NumForwarded = NoForwardedRows>
 __device__ __forceinline__ void reset_arrival_counters(char* window, const Scaleout<kScaleout>& scaleout,
-                                                       int arrival_block, NumSlots num_slots) {
+                                                       int arrival_block, NumSlots num_slots,
+                                                       NumForwarded num_forwarded = {}) {
     for (int s = 0; s < kNumRanks; ++s) {
         if (scaleout.is_remote(s)) {
             uint64_t* words = scaleout.arrivals(s);
             const int num_blocks = ceil_div(num_slots(s), arrival_block);
             for (int block = threadIdx.x; block < num_blocks; block += blockDim.x) words[block] = 0;
+            int* forwarded = arrival_counters(window, s);
+            const int num_forwarded_blocks = ceil_div(num_forwarded(s), arrival_block);
+            for (int block = threadIdx.x; block < num_forwarded_blocks; block += blockDim.x) forwarded[block] = 0;
             continue;
         }
         int* counters = arrival_counters(window, s);

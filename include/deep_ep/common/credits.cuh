@@ -43,16 +43,18 @@ __device__ __forceinline__ bool wait_window_credit(char* own_window, const Scale
 // The end of every epilogue: every thread of every CTA that reads (`num_ctas`, the first of the grid)
 // calls it once, after its last read of the window. The last CTA out waits for the communication
 // kernel to complete (programmatic dependent launch: until then it may still read the count flags),
-// returns the epilogue's task queue, the arrival counters (`num_slots(s)` slots from each source s),
-// the remote sources' op signatures and, with `clear_recv_counts`, the dispatch count flags to zero,
+// returns the epilogue's task queue, the arrival counters (`num_slots(s)` slots from each source s,
+// and `num_forwarded`'s: reset_arrival_counters), the remote sources' op signatures and, with
+// `clear_recv_counts`, the dispatch count flags to zero,
 // counts the operation in the epoch and posts it to every rank as our credit. After a failure
 // (fault.cuh) it does none of that: the window is left as it is and no peer may write into it
 // again. Masked peers get no credit (they may be gone).
-template <int kNumRanks, bool kMasking, typename Transport, bool kScaleout, typename NumSlots>
+template <int kNumRanks, bool kMasking, typename Transport, bool kScaleout, typename NumSlots,
+          typename NumForwarded = NoForwardedRows>
 __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arrival_block, bool clear_recv_counts,
                                                 int num_ctas, const FaultSink& fault, const RankMask<kMasking>& mask,
                                                 const Transport& transport, const Scaleout<kScaleout>& scaleout,
-                                                NumSlots num_slots) {
+                                                NumSlots num_slots, NumForwarded num_forwarded = {}) {
     __shared__ bool is_last;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -67,7 +69,7 @@ __device__ __forceinline__ void finish_epilogue(char* window, int rank, int arri
     griddep_wait();
     if (buffer_failed(fault)) return;
     if (threadIdx.x == 0) TaskQueue::reset(reinterpret_cast<int*>(window + kEpilogueTaskQueueOffset));
-    reset_arrival_counters<kNumRanks>(window, scaleout, arrival_block, num_slots);
+    reset_arrival_counters<kNumRanks>(window, scaleout, arrival_block, num_slots, num_forwarded);
     if (clear_recv_counts and threadIdx.x < kNumRanks) count_flags(window)[threadIdx.x] = 0;
     if (threadIdx.x < kNumRanks and scaleout.is_remote(threadIdx.x)) *scaleout.signature(threadIdx.x) = 0;
     // Hybrid mode's flags of what remote sources sent us to forward (forward.cuh; words nothing

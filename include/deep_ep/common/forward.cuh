@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include <deep_ep/common/arrivals.cuh>
+#include <deep_ep/common/combine_forward.cuh>
 #include <deep_ep/common/fault.cuh>
 #include <deep_ep/common/layout.cuh>
 #include <deep_ep/common/math.cuh>
@@ -114,12 +115,13 @@ __device__ __forceinline__ int wait_forward_flag(const uint64_t* flag, int sourc
 // The count CTA's first step in hybrid mode: the counts every remote source with our local index
 // sent through us, to the ranks of our node (ourselves included), as that source would have stored
 // them. Before the CTA waits for its own counts, which come this way from those sources (docs/hybrid.md).
-// A cached dispatch sends no per-expert counts (`num_local_experts` 0). Every thread of the CTA calls
-// it; false on every thread when a wait failed.
+// A cached dispatch sends no per-expert counts (`num_local_experts` 0). A fresh one keeps each
+// source's token counts for our node's ranks in `map_counts` (combine_forward.cuh: the forward
+// counts; null when cached). Every thread of the CTA calls it; false on every thread when a wait failed.
 __device__ __forceinline__ bool forward_counts(const Forwarding& fw, const Scaleout<true>& scaleout,
                                                void* const* peer_windows, int rank, uint32_t signature,
                                                int num_local_experts, int num_max_tokens, const FaultSink& fault,
-                                               uint64_t timeout_ns) {
+                                               uint64_t timeout_ns, int* map_counts) {
     __shared__ uint64_t flags[kMaxRanks];
     const int S = fw.num_ranks_per_node, num_pairs = fw.num_nodes * S;
     bool ok = true;
@@ -128,9 +130,11 @@ __device__ __forceinline__ bool forward_counts(const Forwarding& fw, const Scale
         const int m = threadIdx.x / S;
         if (m != fw.node) {
             const uint64_t* flag = scaleout.word(kForwardCountFlagOffset, threadIdx.x);
-            ok = wait_forward_flag(flag, fw.rank_of(m, fw.local_rank), signature, num_max_tokens, fault, rank,
-                                   timeout_ns) >= 0;
+            const int count = wait_forward_flag(flag, fw.rank_of(m, fw.local_rank), signature, num_max_tokens, fault,
+                                                rank, timeout_ns);
+            ok = count >= 0;
             flags[threadIdx.x] = ok ? ld_acquire_sys_u64(flag) : 0;
+            if (ok and map_counts != nullptr) map_counts[m * (S + 1) + threadIdx.x % S] = count;
         }
     }
     if (not __syncthreads_and(ok)) return false;
@@ -158,12 +162,15 @@ __device__ __forceinline__ bool forward_counts(const Forwarding& fw, const Scale
 
 // One relay item: block `block` of the forward records from source node `m`, copied into the receive
 // slots of the ranks of our node its headers name, then counted in their arrival counters for the
-// source. `Record` the dispatch record. Every lane of the warp calls it; false when a wait failed.
-template <int kRecordBytes>
+// source. A fresh dispatch also writes the forward map and the number of records into the forward
+// counts (`forward_map`, `map_counts`: combine_forward.cuh; null when cached). `kRecordBytes` and
+// `kTopkIdxOffset` the dispatch record's. Every lane of the warp calls it; false when a wait failed.
+template <int kRecordBytes, int kTopkIdxOffset, int kNumTopk>
 __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const Scaleout<true>& scaleout,
                                                     void* const* peer_windows, int m, int block, int arrival_block,
                                                     uint32_t signature, int num_max_tokens, const FaultSink& fault,
-                                                    int rank, uint64_t timeout_ns) {
+                                                    int rank, uint64_t timeout_ns, int* forward_map, int* map_counts,
+                                                    int num_experts_per_rank) {
     constexpr int kRecordVectors = kRecordBytes / 16;
     const int lane_idx = threadIdx.x % 32;
     const int source = fw.rank_of(m, fw.local_rank);
@@ -183,6 +190,8 @@ __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const 
     }
     if (not __shfl_sync(0xffffffff, ok, 0)) return false;
     num_records = __shfl_sync(0xffffffff, num_records, 0);
+    if (map_counts != nullptr and block == 0 and lane_idx == 0)
+        map_counts[m * (fw.num_ranks_per_node + 1) + fw.num_ranks_per_node] = num_records;
     const int begin = block * arrival_block, end = min(num_records, begin + arrival_block);
     if (begin >= end) return true;
     // Lane j: the first slot at local rank j of the block's records, and how many
@@ -196,6 +205,10 @@ __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const 
             if (num_slots == 0) first_slot = dst_slot;
             ++num_slots;
         }
+        if (forward_map != nullptr)
+            write_forward_map<kNumTopk>(
+                forward_map, m, slot, num_max_tokens, reinterpret_cast<const int*>(record + kTopkIdxOffset), dst_slot,
+                fw.node * fw.num_ranks_per_node * num_experts_per_rank, num_experts_per_rank, fw.num_ranks_per_node);
         uint32_t dsts = __ballot_sync(0xffffffff, dst_slot >= 0);
         while (dsts != 0) {
             const int j = __ffs(dsts) - 1;

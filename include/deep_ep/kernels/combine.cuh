@@ -17,8 +17,13 @@
 // window and `x` hold, whatever the handle says. A remote source (scaleout.cuh) gets its rows through
 // the transport: each slot's row(s) are staged in the warp's entries of the staging ring, put to the
 // source, and the task's arrival signal follows the puts on the warp's context.
+// In hybrid mode (`Transport::kHybrid`, combine_forward.cuh: one row per holder) nothing goes to a
+// remote source straight: its rows go by stores to its forwarder in our node, and every rank, after
+// its own tasks, sums the rows its node's holders left it for the other nodes' sources and puts one
+// partial per token to each of them.
 
 #include <deep_ep/common/bf16.cuh>
+#include <deep_ep/common/combine_forward.cuh>
 #include <deep_ep/common/comm.cuh>
 #include <deep_ep/common/copy.cuh>
 #include <deep_ep/common/credits.cuh>
@@ -46,6 +51,9 @@ struct CombineArgs {
     int op_hash;  // what this operation is (arrivals.cuh: op_signature)
     int64_t* error_block;
     uint64_t timeout_ns;
+    // Hybrid mode (combine_forward.cuh): the forward map and counts our fresh dispatch wrote; else null
+    const int* forward_map;     // [num_nodes, num_max_tokens_per_rank, topk]
+    const int* forward_counts;  // [num_nodes, num_ranks_per_node + 1]
 };
 
 // Without multiple reduction, a slot for a remote source stages one row per local lane: lane k's is
@@ -61,12 +69,15 @@ template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThread
 __device__ __forceinline__ void combine_body(const CombineArgs& args, const Transport& transport,
                                              const Scaleout<Transport::kHasRemote>& scaleout, const FaultSink& fault) {
     using Slot = CombineSlot<kHidden, kNumTopk>;
-    constexpr bool kLaneSlots = kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
+    // Hybrid mode's partials need the holder slots (combine_forward.cuh)
+    constexpr bool kLaneSlots = not Transport::kHybrid and kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
     constexpr int kMetaCols = 2 + kNumTopk;
     constexpr bool kReduce = kExpand and kNumRows == 1;
-    constexpr int kUnroll = kReduce ? kCopyUnroll / 2 : kCopyUnroll;
+    static_assert(not Transport::kHybrid or kNumRows == 1, "hybrid mode's combine sends one row per holder");
+    // Hybrid mode's forwarding items share the kernel's registers: half the values in flight
+    constexpr int kUnroll = (kReduce ? kCopyUnroll / 2 : kCopyUnroll) / (Transport::kHybrid ? 2 : 1);
     constexpr int kNumParts = num_copy_parts<kRowVectors, kUnroll>();
     static_assert(kExpand or kNumRows == 1, "the plain layout sends one row per token");
 
@@ -105,7 +116,11 @@ __device__ __forceinline__ void combine_body(const CombineArgs& args, const Tran
     const int whole_end = max(0, max_rows - num_warps / max(1, num_sources)) / rows_per_task * rows_per_task;
     const int num_whole_chunks = whole_end / rows_per_task;
     const int num_tasks = num_sources * (num_whole_chunks + max_rows - whole_end);
-    const TaskQueue tasks(reinterpret_cast<int*>(args.window_base + kCombineTaskQueueOffset), num_tasks, kNumWarps,
+    // Hybrid mode: after our own tasks, forwarding items (source node, block of its forward slots)
+    const int num_forward_blocks = Transport::kHybrid ? ceil_div(args.num_max_tokens_per_rank, args.arrival_block) : 0;
+    int num_all_tasks = num_tasks;
+    if constexpr (Transport::kHybrid) num_all_tasks += kNumRanks / num_scaleup_ranks() * num_forward_blocks;
+    const TaskQueue tasks(reinterpret_cast<int*>(args.window_base + kCombineTaskQueueOffset), num_all_tasks, kNumWarps,
                           num_issuing_ctas<Transport>());
     // Rows for remote sources: staged in the warp's entries of the ring, `kEntriesPerSlot` per slot
     // (one row, or one per local lane without multiple reduction)
@@ -115,18 +130,37 @@ __device__ __forceinline__ void combine_body(const CombineArgs& args, const Tran
     if constexpr (Transport::kHasRemote)
         ring = StagingRing<Transport, Slot::kBytes>(scaleout, blockIdx.x * kNumWarps + warp_idx, num_warps);
     bool ring_failed = false;  // a flush passed its deadline: nothing more is sent
-    for (int task = tasks.first(), claimed = 0; not ring_failed and task < num_tasks; task = tasks.next(claimed)) {
+    for (int task = tasks.first(), claimed = 0; not ring_failed and task < num_all_tasks; task = tasks.next(claimed)) {
         claimed = tasks.claim(task);
+        if constexpr (Transport::kHybrid) {
+            if (task >= num_tasks) {
+                const int m = (task - num_tasks) / num_forward_blocks, block = (task - num_tasks) % num_forward_blocks;
+                if (scaleout.is_remote(m * num_scaleup_ranks()) and
+                    not reduce_forward_block<kNumRanks, kHidden, kNumTopk, Slot>(
+                        transport, scaleout, ring, args.forward_map, args.forward_counts, m, block, args.rank,
+                        args.num_max_tokens_per_rank, args.arrival_block, fault, args.timeout_ns))
+                    ring_failed = true;
+                continue;
+            }
+        }
         const int source_idx = task % num_sources, chunk = task / num_sources;
         const int s = kExpand or source_idx < args.rank ? source_idx : source_idx + 1;
         const bool is_whole = chunk < num_whole_chunks;
         const int slot_begin = is_whole ? chunk * rows_per_task : whole_end + chunk - num_whole_chunks;
         const int slot_end = min(psum_src[s + 1] - psum_src[s], slot_begin + (is_whole ? rows_per_task : 1));
         if (slot_begin >= slot_end) continue;
-        char* source_slots = static_cast<char*>(peer_windows[s]) + kWorkspaceBytes;
+        // Where the rows go, under which holder index: the source, under ours; in hybrid mode a remote
+        // source's forwarder in our node
+        int dst = s, holder_index = args.rank;
+        if constexpr (Transport::kHybrid) {
+            const CombineDestination destination = combine_destination(scaleout, s, args.rank);
+            dst = destination.rank;
+            holder_index = destination.holder_index;
+        }
+        char* source_slots = static_cast<char*>(peer_windows[dst]) + kWorkspaceBytes;
         if constexpr (not kLaneSlots)
-            source_slots += static_cast<int64_t>(args.rank) * args.num_max_tokens_per_rank * Slot::kBytes;
-        const bool is_remote = scaleout.is_remote(s);
+            source_slots += static_cast<int64_t>(holder_index) * args.num_max_tokens_per_rank * Slot::kBytes;
+        const bool is_remote = not Transport::kHybrid and scaleout.is_remote(dst);
         int staged_entry = 0;  // the slot's first staging entry (a remote source)
         for (int item = 0; not ring_failed and item < (slot_end - slot_begin) * kNumParts; ++item) {
             const int part = item % kNumParts, slot_idx = slot_begin + item / kNumParts;
@@ -259,7 +293,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& args, const Tran
                 signal_remote_arrivals(transport, scaleout, s, args.rank, slot_begin, slot_end - slot_begin,
                                        args.arrival_block);
             else
-                signal_arrivals(peer_windows[s], args.rank, slot_begin, slot_end - slot_begin, args.arrival_block);
+                signal_arrivals(peer_windows[dst], holder_index, slot_begin, slot_end - slot_begin, args.arrival_block);
         }
     }
     tasks.finish();

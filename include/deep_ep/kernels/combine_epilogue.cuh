@@ -17,7 +17,9 @@
 // every peer runs this combine too (its signature in our workspace). Counts and slots come from the
 // handle and are clamped: a slot outside what its holder sends is no row. A remote holder's rows
 // land here by the transport (scaleout.cuh), its signature and arrival counters in the scale-out
-// region; its credit goes back through the transport.
+// region; its credit goes back through the transport. In hybrid mode (`Hybrid<T>`, one row per
+// holder) a remote node's holders come as one partial, summed by our forwarder there
+// (combine_forward.cuh) and put into our partial region.
 
 #include <deep_ep/common/arrivals.cuh>
 #include <deep_ep/common/bf16.cuh>
@@ -54,9 +56,14 @@ struct CombineEpilogueArgs {
     int op_hash;  // what this operation is (arrivals.cuh: op_signature)
     int64_t* error_block;
     uint64_t timeout_ns;
-    // Hybrid mode's node stage (`Hybrid<T>` transports): the ranks of a node, whose holders' rows are
-    // summed and rounded per node first
+    // Hybrid mode (`Hybrid<T>` transports): the ranks of a node, whose holders' rows are summed and
+    // rounded per node first; the dispatch's `[num_tokens, num_nodes]` forward slots of our tokens and
+    // `[num_nodes]` tokens per node, where the partials land; and the forward counts of our fresh
+    // dispatch (combine_forward.cuh: the rows our node's holders left us to forward)
     int num_ranks_per_node;
+    const int* node_slot_idx;
+    const int* num_tokens_per_node;
+    const int* forward_counts;
 };
 
 // The kernel's work on one of its issuing CTAs; `transport` is the warp's.
@@ -66,7 +73,9 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
                                                       const Scaleout<Transport::kHasRemote>& scaleout,
                                                       const FaultSink& fault) {
     using Slot = CombineSlot<kHidden, kNumTopk>;
-    constexpr bool kLaneSlots = kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
+    constexpr bool kHybrid = Transport::kHybrid;
+    static_assert(not kHybrid or kNumRows == 1, "hybrid mode's node stage takes one row per holder");
+    constexpr bool kLaneSlots = not kHybrid and kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
     constexpr int kUnroll = 4;
@@ -97,6 +106,18 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
         const int64_t index = kLaneSlots ? static_cast<int64_t>(t) * kNumTopk + k
                                          : static_cast<int64_t>(d) * args.num_max_tokens_per_rank + slot;
         return args.window_base + kWorkspaceBytes + index * Slot::kBytes;
+    };
+
+    // Hybrid mode: lane n watches the partials of node n (put by our forwarder there)
+    const int num_ranks_per_node = kHybrid ? args.num_ranks_per_node : 1;
+    const int num_nodes = kNumRanks / num_ranks_per_node, own_node = args.rank / num_ranks_per_node;
+    const int num_partials = kHybrid and lane_idx < num_nodes and lane_idx != own_node
+                                 ? min(max(args.num_tokens_per_node[lane_idx], 0), args.num_max_tokens_per_rank)
+                                 : 0;
+    // Node n's partial of token `t` at forward slot `slot` (lane n's)
+    auto partial_at = [&](int n, int slot) {
+        return args.window_base + kWorkspaceBytes +
+               (static_cast<int64_t>(kNumRanks + n) * args.num_max_tokens_per_rank + slot) * Slot::kBytes;
     };
 
     const int num_items = args.num_tokens * kNumParts;
@@ -141,8 +162,9 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
 
         // This rank's own row is here already: load it while the holders' rows may still be on the wire
         const bool is_own_holder = has_local_rows and __ballot_sync(0xffffffff, holder == args.rank) != 0;
+        // (not in hybrid mode, whose node stage has no registers left for it: read where it is added)
         int4 own_values[kUnroll];
-        if (is_own_holder)
+        if (not kHybrid and is_own_holder)
             load_part<kRowVectors, kUnroll>(
                 lane_idx, part,
                 args.local_x + static_cast<int64_t>(own_rows_begin + slot_of_rank(args.rank)) * kRowVectors,
@@ -153,6 +175,8 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
 #pragma unroll
         for (int d = 0; d < kNumRanks; ++d) {
             const bool is_holder = __ballot_sync(0xffffffff, holder == d) != 0;
+            // Hybrid mode: a remote holder's row is in its node's partial
+            if (kHybrid and scaleout.is_remote(d)) continue;
             if (is_holder and lane_idx == d % 32 and not(d == args.rank and has_local_rows)) {
                 const int block = slot[d / 32] / args.arrival_block;
                 if (block != ready_block[d / 32]) {
@@ -161,6 +185,23 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
                                             kPhaseCombineArrival, args.rank, args.timeout_ns);
                     ready_block[d / 32] = block;
                 }
+            }
+        }
+        // Hybrid mode: lane n, the forward slot of node n's partial (-1: none), which must have landed
+        int node_slot = -1;
+        if constexpr (kHybrid) {
+            const uint32_t holder_nodes =
+                __reduce_or_sync(0xffffffff, holder >= 0 ? 1u << (holder / num_ranks_per_node) : 0u);
+            if ((holder_nodes >> lane_idx) & 1 and num_partials > 0) {
+                node_slot = args.node_slot_idx[static_cast<int64_t>(t) * num_nodes + lane_idx];
+                if (node_slot >= num_partials) node_slot = -1;
+                // No block seen complete is kept: one load when it is (the registers are all taken)
+                const int block = node_slot / args.arrival_block;
+                if (node_slot >= 0)
+                    lane_ok = wait_arrivals(args.window_base, scaleout,
+                                            lane_idx * num_ranks_per_node + args.rank % num_ranks_per_node, block,
+                                            arrival_block_size(num_partials, block, args.arrival_block), fault,
+                                            kPhaseCombineArrival, args.rank, args.timeout_ns);
             }
         }
         __syncwarp();
@@ -179,10 +220,10 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
         }
         // Hybrid mode (one row per holder): per node, at the node's last lane, the partial of its
         // holders (ascending order of their last lane, from +0.0, rounded once to BF16), so nodes come
-        // in ascending order of their last lane (docs/semantics.md). A kernel of its own (`Hybrid<T>`):
-        // the node stage's registers would make the direct-mode epilogue over GIN spill
-        const int num_ranks_per_node = Transport::kHybrid and kNumRows == 1 ? args.num_ranks_per_node : 0;
-        if (num_ranks_per_node > 0) {
+        // in ascending order of their last lane (docs/semantics.md): another node's from its
+        // forwarder, our own node's summed here. A kernel of its own (`Hybrid<T>`): the node stage's
+        // registers would make the direct-mode epilogue over GIN spill
+        if constexpr (kHybrid) {
 #pragma unroll
             for (int k = 0; k < kNumTopk; ++k) {
                 const int d = __shfl_sync(0xffffffff, holder, k);
@@ -191,6 +232,14 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
                 const uint32_t lanes_of_node =
                     __ballot_sync(0xffffffff, holder >= 0 and holder / num_ranks_per_node == node);
                 if (k != 31 and (lanes_of_node >> (k + 1)) != 0) continue;
+                if (node != own_node) {
+                    const int slot_of_node = __shfl_sync(0xffffffff, node_slot, node);
+                    if (slot_of_node < 0) continue;
+                    load_part<kRowVectors, kUnroll, true>(
+                        lane_idx, part, reinterpret_cast<const int4*>(partial_at(node, slot_of_node)), values);
+                    add_part<kRowVectors, kUnroll>(lane_idx, part, acc, values);
+                    continue;
+                }
                 float partial[kUnroll][8] = {};
 #pragma unroll
                 for (int j = 0; j <= k; ++j) {
@@ -199,7 +248,11 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
                     if (d_j < 0 or d_j / num_ranks_per_node != node or (j != 31 and (lanes_of_d_j >> (j + 1)) != 0))
                         continue;
                     if (d_j == args.rank and has_local_rows) {
-                        add_part<kRowVectors, kUnroll>(lane_idx, part, partial, own_values);
+                        load_part<kRowVectors, kUnroll>(
+                            lane_idx, part,
+                            args.local_x + static_cast<int64_t>(own_rows_begin + slot_of_rank(args.rank)) * kRowVectors,
+                            values);
+                        add_part<kRowVectors, kUnroll>(lane_idx, part, partial, values);
                         continue;
                     }
                     load_part<kRowVectors, kUnroll, true>(
@@ -236,10 +289,18 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
         if (part == 0 and args.combined_topk_weights != nullptr) {
             // Lanes past top-k write nothing
             float weight = 0.0f;
+            // Hybrid mode: the forward slot of the node of this lane's holder
+            const int slot_of_node =
+                kHybrid ? __shfl_sync(0xffffffff, node_slot, holder >= 0 ? holder / num_ranks_per_node : 0) : -1;
             if (holder == args.rank and has_local_rows) {
                 if (args.local_topk_weights != nullptr)
                     weight = args.local_topk_weights[static_cast<int64_t>(own_rows_begin + holder_slot) * kNumTopk +
                                                      lane_idx];
+            } else if (kHybrid and holder >= 0 and holder / num_ranks_per_node != own_node) {
+                // Another node's lanes: from its partial
+                if (slot_of_node >= 0)
+                    weight = reinterpret_cast<const float*>(partial_at(holder / num_ranks_per_node, slot_of_node) +
+                                                            Slot::kWeightOffset)[lane_idx];
             } else if (holder >= 0) {
                 weight = reinterpret_cast<const float*>(slot_at(t, holder, holder_slot, holder_last_lane) +
                                                         Slot::kWeightOffset)[lane_idx];
@@ -250,9 +311,28 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
 
     // The last CTA out also makes the kernel complete only after the combine kernel, as a plain
     // launch would
-    finish_epilogue<kNumRanks>(
-        args.window_base, args.rank, args.arrival_block, false, num_issuing_ctas<Transport>(), fault, mask, transport,
-        scaleout, [&](int d) { return min(max(args.num_tokens_per_rank[d], 0), args.num_max_tokens_per_rank); });
+    // Hybrid mode: a remote rank sent us rows only as the forwarder of its node (a partial per forward
+    // slot), and our node's holders left us rows under its index to forward (combine_forward.cuh)
+    auto clamp_count = [&](int count) { return min(max(count, 0), args.num_max_tokens_per_rank); };
+    if constexpr (kHybrid) {
+        finish_epilogue<kNumRanks>(
+            args.window_base, args.rank, args.arrival_block, false, num_issuing_ctas<Transport>(), fault, mask,
+            transport, scaleout,
+            [&](int d) {
+                if (not scaleout.is_remote(d)) return clamp_count(args.num_tokens_per_rank[d]);
+                return d % num_ranks_per_node == args.rank % num_ranks_per_node
+                           ? clamp_count(args.num_tokens_per_node[d / num_ranks_per_node])
+                           : 0;
+            },
+            [&](int d) {
+                return clamp_count(
+                    args.forward_counts[(d / num_ranks_per_node) * (num_ranks_per_node + 1) + d % num_ranks_per_node]);
+            });
+    } else {
+        finish_epilogue<kNumRanks>(args.window_base, args.rank, args.arrival_block, false,
+                                   num_issuing_ctas<Transport>(), fault, mask, transport, scaleout,
+                                   [&](int d) { return clamp_count(args.num_tokens_per_rank[d]); });
+    }
 }
 
 template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThreads, bool kRankMasking,

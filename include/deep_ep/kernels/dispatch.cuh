@@ -84,6 +84,11 @@ struct DispatchArgs {
     int* node_slot_idx;
     int num_hybrid_nodes;
     int* num_tokens_per_node;  // [num_hybrid_nodes]: written (fresh) or read (cached); with 0 nodes, null
+    // Hybrid mode, fresh dispatch: what the combine's forwarding needs of what we relay
+    // (combine_forward.cuh), `[num_hybrid_nodes, num_max_tokens_per_rank, topk]` and
+    // `[num_hybrid_nodes, num_ranks_per_node + 1]`; else null
+    int* forward_map;
+    int* forward_counts;
 };
 
 // The nodes (bit n) whose ranks include one of `ranks` (bit d): `num_nodes` nodes of `kNumRanks / num_nodes`
@@ -511,7 +516,8 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
     if constexpr (kForward)
         if (channel == args.rank % num_channels and
             not forward_counts(fw, scaleout, peer_windows, args.rank, signature, kCached ? 0 : num_local_experts,
-                               args.num_max_tokens_per_rank, fault, args.timeout_ns))
+                               args.num_max_tokens_per_rank, fault, args.timeout_ns,
+                               kCached ? nullptr : args.forward_counts))
             return;
     if constexpr (not kCached)
         if (is_count_cta and counts_first and not receive_counts()) return;
@@ -535,9 +541,11 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         if constexpr (kForward) {
             if (task >= num_tasks) {
                 const int m = (task - num_tasks) / num_relay_blocks, block = (task - num_tasks) % num_relay_blocks;
-                if (m != fw.node and not relay_forward_block<Record::kBytes>(
+                if (m != fw.node and not relay_forward_block<Record::kBytes, Record::kTopkIdxOffset, kNumTopk>(
                                          fw, scaleout, peer_windows, m, block, args.arrival_block, signature,
-                                         args.num_max_tokens_per_rank, fault, args.rank, args.timeout_ns))
+                                         args.num_max_tokens_per_rank, fault, args.rank, args.timeout_ns,
+                                         kCached ? nullptr : args.forward_map, kCached ? nullptr : args.forward_counts,
+                                         num_local_experts))
                     break;
                 continue;
             }
