@@ -176,14 +176,18 @@ __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const 
     const int source = fw.rank_of(m, fw.local_rank);
     int num_records = 0;
     bool ok = true;
+    // Twice the deadline: a source whose sends wait for a third rank's counts (they come first) holds
+    // its records back with it, and that source's own wait, which names the third rank, must expire
+    // and reach every rank first (a stalled source itself is named a deadline later)
+    const uint64_t relay_timeout_ns = 2 * timeout_ns;
     if (lane_idx == 0) {
         num_records = wait_forward_flag(scaleout.word(kForwardRecordFlagOffset, m), source, signature, num_max_tokens,
-                                        fault, rank, timeout_ns);
+                                        fault, rank, relay_timeout_ns);
         ok = num_records >= 0;
         const int expected = ok ? arrival_block_size(num_records, block, arrival_block) : 0;
         if (ok and expected > 0) {
             uint64_t* counter = scaleout.word(kForwardArrivalOffset, m * kMaxArrivalBlocks + block);
-            ok = wait_counter(counter, expected, fault, kPhaseForwardArrival, rank, source, block, timeout_ns);
+            ok = wait_counter(counter, expected, fault, kPhaseForwardArrival, rank, source, block, relay_timeout_ns);
             // Ours alone, and every record of the block is in: its source adds again only after our credit
             if (ok) *counter = 0;
         }
