@@ -196,7 +196,9 @@ def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, se
     to its forwarder, each checked against the reference bitwise, its forward slots against
     `forward_slots` and what it handed to the NIC against `expected_nic_bytes`; then a cached dispatch
     and a combine of its handle, bitwise, whose NIC took one partial per (token, remote node) that
-    this rank forwarded (`expected_partials`). Returns the rounds checked."""
+    this rank forwarded (`expected_partials`), after a second fresh dispatch of other routing (the
+    forwarders' map is the handle's, not the window's), whose combine follows. Returns the rounds
+    checked."""
     from kernel_checks import check_dispatch, make_inputs
     from sweep import NODE_SHAPES
 
@@ -253,6 +255,12 @@ def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, se
             y = torch.randn((handle.num_recv_tokens, hidden), generator=gen).to(torch.bfloat16).to("cuda")
             rows_of: list = [None] * num_ranks
             dist.all_gather_object(rows_of, rows, group=group)
+            # Another fresh dispatch (its own routing) before the first handle's combine
+            x3, topk3, weights3, _ = make_inputs(rank, num_ranks, num_tokens, hidden, "bf16", num_experts, num_topk,
+                                                 "uniform", 0.0, 0, seed + 200 + round_idx, "cuda")  # fmt: skip
+            kwargs3 = dict(kwargs, topk_idx=topk3, topk_weights=weights3)
+            out_k3, out_r3 = kernels.dispatch(x3, **kwargs3), reference.dispatch(x3, **kwargs3)
+            handle3 = check_dispatch(out_k3, out_r3, False, False, f"{what} second fresh dispatch")
             wait_for_stream()
             before = links.traffic()
             got_y = kernels.combine(y, out_k[3])[0]
@@ -264,6 +272,9 @@ def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, se
             partials = expected_partials(rows_of, num_local_experts, num_ranks_per_node, rank)
             model = (partials * CombineSlotLayout(hidden, num_topk).num_bytes, partials)
             assert nic == model, f"{what}: the combine's NIC took (bytes, puts) {nic}, hybrid mode sends {model}"
+            y3 = torch.randn((handle3.num_recv_tokens, hidden), generator=gen).to(torch.bfloat16).to("cuda")
+            got_y3, want_y3 = kernels.combine(y3, out_k3[3])[0], reference.combine(y3, out_r3[3])[0]
+            assert torch.equal(got_y3.view(torch.int16), want_y3.view(torch.int16)), f"{what}: second combine differs"
     finally:
         for buffer in buffers:
             buffer.destroy()
