@@ -98,12 +98,20 @@ def combine_region_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: i
     return num_slots * CombineSlotLayout(hidden, num_topk).num_bytes
 
 
+def hybrid_combine_uses_lane_slots(num_ranks: int, num_nodes: int, num_topk: int) -> bool:
+    """Whether hybrid mode's combine slots are per (node, token, top-k lane) rather than per (holder
+    rank, slot): with fewer lanes than ranks per node, the smaller layout."""
+    return num_topk < num_ranks // num_nodes
+
+
 def hybrid_combine_region_bytes(num_ranks: int, num_nodes: int, num_max_tokens_per_rank: int, hidden: int,
                                 num_topk: int) -> int:  # fmt: skip
     """Bytes of hybrid mode's combine slots (one row per holder, include/deep_ep/common/combine_forward.cuh):
     `N * Tmax` holder slots (our node's holders, and the rows we forward under remote holders'
-    indices), then `num_nodes * Tmax` slots of the partials the other nodes' forwarders send us."""
-    return (num_ranks + num_nodes) * num_max_tokens_per_rank * CombineSlotLayout(hidden, num_topk).num_bytes
+    indices), or with fewer lanes than ranks per node `num_nodes * Tmax * K` lane slots, then
+    `num_nodes * Tmax` slots of the partials the other nodes' forwarders send us."""
+    per_node = min(num_ranks // num_nodes, num_topk)
+    return (per_node + 1) * num_nodes * num_max_tokens_per_rank * CombineSlotLayout(hidden, num_topk).num_bytes
 
 
 def window_bytes(num_region_bytes: int) -> int:

@@ -132,6 +132,11 @@ def node_test_specs() -> list:
                   for mode in ("eager", "strict")]  # fmt: skip
         found += [kernels.combine_spec(num_ranks, hidden, num_topk, 1, expand, False, f"hybrid-emulated-{mode}")
                   for mode in ("eager", "strict") for expand in (False, True)]  # fmt: skip
+    # The combine's lane slots (fewer lanes than ranks per node: top-4 on 2 x 8), plain layout
+    hidden = NODE_SHAPES[16][0][0]
+    found += [spec for mode in ("eager", "strict") for spec in (
+        kernels.combine_spec(16, hidden, 4, 1, False, False, f"hybrid-lanes-emulated-{mode}"),
+        kernels.combine_epilogue_spec(16, hidden, 4, 1, False, f"hybrid-lanes-emulated-{mode}"))]  # fmt: skip
     return list(dict.fromkeys(found))
 
 
@@ -190,15 +195,17 @@ def expected_partials(topk_rows_of: list[list[list[int]]], num_local_experts: in
     )  # fmt: skip
 
 
-def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, seed: int) -> int:
+def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, seed: int,
+                num_topk: int | None = None) -> int:  # fmt: skip
     """Hybrid mode on the kernels (`allow_hybrid_mode`, without multiple reduction): fresh dispatches
     (CPU sync or not; uniform, masked or hot-node routing) that send each token once per remote node
     to its forwarder, each checked against the reference bitwise, its forward slots against
     `forward_slots` and what it handed to the NIC against `expected_nic_bytes`; then a cached dispatch
     and a combine of its handle, bitwise, whose NIC took one partial per (token, remote node) that
     this rank forwarded (`expected_partials`), after a second fresh dispatch of other routing (the
-    forwarders' map is the handle's, not the window's), whose combine follows. Returns the rounds
-    checked."""
+    forwarders' map is the handle's, not the window's), whose combine follows. `num_topk` (default:
+    the sweep's shape) below the ranks per node takes the combine's lane slots (combine_forward.cuh).
+    Returns the rounds checked."""
     from kernel_checks import check_dispatch, make_inputs
     from sweep import NODE_SHAPES
 
@@ -207,7 +214,8 @@ def hybrid_rank(rank: int, group: dist.ProcessGroup, num_ranks_per_node: int, se
     from deep_ep.records import CombineSlotLayout, DispatchRecordLayout
 
     num_ranks = group.size()
-    num_nodes, (hidden, num_topk, _) = num_ranks // num_ranks_per_node, NODE_SHAPES[num_ranks][0]
+    num_nodes, (hidden, shape_topk, _) = num_ranks // num_ranks_per_node, NODE_SHAPES[num_ranks][0]
+    num_topk = num_topk or shape_topk
     num_local_experts, num_max_tokens = 8, 128
     num_experts = num_local_experts * num_ranks
     buffers = [deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden, num_topk=num_topk,

@@ -28,5 +28,7 @@ def test_every_kernel_of_the_virtual_node_tests_compiles_over_both_emulated_nics
     transports = {spec.template_args[-1] for spec in specs}
     assert transports == {"deep_ep::transport::Emulated<false>", "deep_ep::transport::Emulated<true>",
                           "deep_ep::transport::Hybrid<deep_ep::transport::Emulated<false>>",
-                          "deep_ep::transport::Hybrid<deep_ep::transport::Emulated<true>>"}, transports  # fmt: skip
+                          "deep_ep::transport::Hybrid<deep_ep::transport::Emulated<true>>",
+                          "deep_ep::transport::Hybrid<deep_ep::transport::Emulated<false>, true>",
+                          "deep_ep::transport::Hybrid<deep_ep::transport::Emulated<true>, true>"}, transports  # fmt: skip
     print(f"\n{len(specs)} virtual-node kernel specialisations compiled")

@@ -149,20 +149,24 @@ def test_the_strict_nic_catches_each_protocol_mistake(mistake: str) -> None:
           f"the mistake bitwise right; first: {type(failures[0]).__name__}: {str(failures[0])[:160]}")  # fmt: skip
 
 
-@pytest.mark.parametrize("num_nodes, per_node, mode", [(2, 4, "strict"), (2, 4, "eager"), (4, 2, "strict"),
-                                                     (4, 4, "strict")])  # fmt: skip
-def test_hybrid_dispatch_sends_each_token_once_per_node(num_nodes: int, per_node: int, mode: str) -> None:
+@pytest.mark.parametrize("num_nodes, per_node, mode, num_topk", [(2, 4, "strict", None), (2, 4, "eager", None),
+                                                               (4, 2, "strict", None), (4, 4, "strict", None),
+                                                               (2, 8, "strict", 4), (2, 4, "eager", 3)])  # fmt: skip
+def test_hybrid_dispatch_sends_each_token_once_per_node(num_nodes: int, per_node: int, mode: str,
+                                                         num_topk: int | None) -> None:  # fmt: skip
     """Hybrid mode (issue 17, docs/hybrid.md): a fresh dispatch sends each token across the NIC once per
     remote node, to its forwarder there, which passes it on by stores; outputs bitwise equal to the
-    reference, the NIC's bytes and puts exactly hybrid mode's, then a cached dispatch and a combine."""
+    reference, the NIC's bytes and puts exactly hybrid mode's, then a cached dispatch and a combine;
+    with `num_topk` below the ranks per node, the combine's lane slots."""
     from nodes import hybrid_rank
 
     seed = _seed()
     world = _world(num_nodes, per_node, NicOptions(strict=mode == "strict", seed=seed))
-    checked = world.run(hybrid_rank, per_node, seed)
+    checked = world.run(hybrid_rank, per_node, seed, num_topk)
     world.close()
     assert checked == [6] * (num_nodes * per_node)
     print(
-        f"\nhybrid mode, {num_nodes}x{per_node} virtual nodes, {mode} NIC, seed {seed}: {checked[0]} rounds per rank "
+        f"\nhybrid mode, {num_nodes}x{per_node} virtual nodes, {mode} NIC, top-{num_topk or 'shape'}, seed {seed}: "
+        f"{checked[0]} rounds per rank "
         "(fresh, cached, combine) bitwise equal to the reference, each token across the NIC once per remote node"
     )

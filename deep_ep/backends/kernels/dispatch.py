@@ -42,9 +42,10 @@ class NvlinkDispatchState:
     node_slot_idx: torch.Tensor | None = None
     num_tokens_per_node: torch.Tensor | None = None
     # Hybrid mode, what this rank relayed as a forwarder (combine_forward.cuh), for the combine's
-    # partials: [num_nodes, num_max_tokens_per_rank, num_topk] int32, per forwarded token and lane the
-    # local holder and its slot, and [num_nodes, num_ranks_per_node + 1] int32, the sources' token
-    # counts for our node's ranks and their forward records; else None
+    # partials: [num_nodes, num_max_tokens_per_rank, num_topk + 1] int32, per forwarded token and lane
+    # the local holder and its slot, then the token's index at its source, and [num_nodes,
+    # num_ranks_per_node + 1] int32, the sources' token counts for our node's ranks and their forward
+    # records; else None
     forward_map: torch.Tensor | None = None
     forward_counts: torch.Tensor | None = None
 
@@ -183,7 +184,7 @@ def run_dispatch(
         if num_nodes:
             node_slot_idx = empty((num_tokens, num_nodes), dtype=torch.int32, device=device)
             num_tokens_per_node = empty((num_nodes,), dtype=torch.int32, device=device)
-            forward_map = empty((num_nodes, num_max_tokens_per_rank, num_topk), dtype=torch.int32, device=device)
+            forward_map = empty((num_nodes, num_max_tokens_per_rank, num_topk + 1), dtype=torch.int32, device=device)
             forward_counts = empty((num_nodes, runtime.num_scaleup_ranks + 1), dtype=torch.int32, device=device)
         if expand_ranks:
             expand_scratch = runtime.expand_rank_scratch(max_recv * num_topk)

@@ -190,15 +190,21 @@ GIN_BACKENDS = ("PROXY", "GDAKI", "GPI", "EFA_GDA")
 # The transports of the communication kernels and their epilogues (docs/transport.md): LSA only (one
 # scale-up domain), the emulated NIC of virtual nodes, or NCCL GIN built for one of its backends
 TRANSPORTS = ("lsa", *EMULATED_TRANSPORTS, *(f"gin-{b.lower()}" for b in GIN_BACKENDS))
-# Hybrid mode over a transport with remote peers (hybrid.cuh): `hybrid-` and its name
-HYBRID_TRANSPORTS = tuple(f"hybrid-{t}" for t in TRANSPORTS if t != "lsa")
+# Hybrid mode over a transport with remote peers (hybrid.cuh): `hybrid-` and its name; `hybrid-lanes-`
+# for its combine with lane slots (fewer top-k lanes than ranks per node, combine_forward.cuh)
+HYBRID_TRANSPORTS = tuple(f"hybrid-{lanes}{t}" for t in TRANSPORTS if t != "lsa" for lanes in ("", "lanes-"))
+
+
+def _base_transport(transport: str) -> str:
+    return transport.removeprefix("hybrid-").removeprefix("lanes-")
 
 
 def transport_type(transport: str) -> str:
     """The C++ type of `transport` (one of `TRANSPORTS` or `HYBRID_TRANSPORTS`), the kernels' `Transport`
     template argument."""
     if transport in HYBRID_TRANSPORTS:
-        return f"deep_ep::transport::Hybrid<{transport_type(transport.removeprefix('hybrid-'))}>"
+        lanes = ", true" if transport.startswith("hybrid-lanes-") else ""
+        return f"deep_ep::transport::Hybrid<{transport_type(_base_transport(transport))}{lanes}>"
     if transport == "lsa":
         return "deep_ep::transport::Lsa"
     if transport in EMULATED_TRANSPORTS:
@@ -210,7 +216,7 @@ def transport_type(transport: str) -> str:
 
 def _with_transport(spec: KernelSpec, transport: str) -> KernelSpec:
     """`spec` built for `transport`: a GIN one against the NCCL headers, with only its backend on."""
-    transport = transport.removeprefix("hybrid-")
+    transport = _base_transport(transport)
     if not transport.startswith("gin-"):
         return spec
     backend = transport.removeprefix("gin-").upper()

@@ -163,14 +163,15 @@ __device__ __forceinline__ bool forward_counts(const Forwarding& fw, const Scale
 // One relay item: block `block` of the forward records from source node `m`, copied into the receive
 // slots of the ranks of our node its headers name, then counted in their arrival counters for the
 // source. A fresh dispatch also writes the forward map and the number of records into the forward
-// counts (`forward_map`, `map_counts`: combine_forward.cuh; null when cached). `kRecordBytes` and
-// `kTopkIdxOffset` the dispatch record's. Every lane of the warp calls it; false when a wait failed.
-template <int kRecordBytes, int kTopkIdxOffset, int kNumTopk>
+// counts (`forward_map`, `map_counts`: combine_forward.cuh; null when cached). `Record` the dispatch
+// record. Every lane of the warp calls it; false when a wait failed.
+template <typename Record, int kNumTopk>
 __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const Scaleout<true>& scaleout,
                                                     void* const* peer_windows, int m, int block, int arrival_block,
                                                     uint32_t signature, int num_max_tokens, const FaultSink& fault,
                                                     int rank, uint64_t timeout_ns, int* forward_map, int* map_counts,
                                                     int num_experts_per_rank) {
+    constexpr int kRecordBytes = Record::kBytes;
     constexpr int kRecordVectors = kRecordBytes / 16;
     const int lane_idx = threadIdx.x % 32;
     const int source = fw.rank_of(m, fw.local_rank);
@@ -211,7 +212,8 @@ __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const 
         }
         if (forward_map != nullptr)
             write_forward_map<kNumTopk>(
-                forward_map, m, slot, num_max_tokens, reinterpret_cast<const int*>(record + kTopkIdxOffset), dst_slot,
+                forward_map, m, slot, num_max_tokens, reinterpret_cast<const int*>(record + Record::kTopkIdxOffset),
+                ld_relaxed_sys(reinterpret_cast<const int*>(record + Record::kSrcIdxOffset)), dst_slot,
                 fw.node * fw.num_ranks_per_node * num_experts_per_rank, num_experts_per_rank, fw.num_ranks_per_node);
         uint32_t dsts = __ballot_sync(0xffffffff, dst_slot >= 0);
         while (dsts != 0) {

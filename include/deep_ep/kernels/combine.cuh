@@ -52,7 +52,7 @@ struct CombineArgs {
     int64_t* error_block;
     uint64_t timeout_ns;
     // Hybrid mode (combine_forward.cuh): the forward map and counts our fresh dispatch wrote; else null
-    const int* forward_map;     // [num_nodes, num_max_tokens_per_rank, topk]
+    const int* forward_map;     // [num_nodes, num_max_tokens_per_rank, topk + 1]
     const int* forward_counts;  // [num_nodes, num_ranks_per_node + 1]
 };
 
@@ -69,8 +69,9 @@ template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThread
 __device__ __forceinline__ void combine_body(const CombineArgs& args, const Transport& transport,
                                              const Scaleout<Transport::kHasRemote>& scaleout, const FaultSink& fault) {
     using Slot = CombineSlot<kHidden, kNumTopk>;
-    // Hybrid mode's partials need the holder slots (combine_forward.cuh)
-    constexpr bool kLaneSlots = not Transport::kHybrid and kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
+    // Hybrid mode's slots are the transport's choice (combine_forward.cuh)
+    constexpr bool kLaneSlots =
+        Transport::kHybrid ? Transport::kHybridLaneSlots : kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
     constexpr int kMetaCols = 2 + kNumTopk;
@@ -160,6 +161,9 @@ __device__ __forceinline__ void combine_body(const CombineArgs& args, const Tran
         char* source_slots = static_cast<char*>(peer_windows[dst]) + kWorkspaceBytes;
         if constexpr (not kLaneSlots)
             source_slots += static_cast<int64_t>(holder_index) * args.num_max_tokens_per_rank * Slot::kBytes;
+        else if constexpr (Transport::kHybrid)  // the lane slots of the source's node
+            source_slots +=
+                static_cast<int64_t>(s / num_scaleup_ranks()) * args.num_max_tokens_per_rank * kNumTopk * Slot::kBytes;
         const bool is_remote = not Transport::kHybrid and scaleout.is_remote(dst);
         int staged_entry = 0;  // the slot's first staging entry (a remote source)
         for (int item = 0; not ring_failed and item < (slot_end - slot_begin) * kNumParts; ++item) {

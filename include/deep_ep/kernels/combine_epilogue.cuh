@@ -23,6 +23,7 @@
 
 #include <deep_ep/common/arrivals.cuh>
 #include <deep_ep/common/bf16.cuh>
+#include <deep_ep/common/combine_forward.cuh>
 #include <deep_ep/common/copy.cuh>
 #include <deep_ep/common/credits.cuh>
 #include <deep_ep/common/fault.cuh>
@@ -75,7 +76,8 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
     using Slot = CombineSlot<kHidden, kNumTopk>;
     constexpr bool kHybrid = Transport::kHybrid;
     static_assert(not kHybrid or kNumRows == 1, "hybrid mode's node stage takes one row per holder");
-    constexpr bool kLaneSlots = not kHybrid and kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
+    constexpr bool kLaneSlots =
+        kHybrid ? Transport::kHybridLaneSlots : kCombineLaneSlots<kNumRanks, kNumTopk, kNumRows>;
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kRowVectors = kHidden / 8;
     constexpr int kUnroll = 4;
@@ -101,23 +103,26 @@ __device__ __forceinline__ void combine_epilogue_body(const CombineEpilogueArgs&
         has_local_rows
             ? min(max(args.rank == 0 ? 0 : args.psum_num_recv_tokens_per_rank[args.rank - 1], 0), args.num_local_rows)
             : 0;
-    // The slot of token `t`'s row from holder `d` at lane `k` (layout.cuh: kCombineLaneSlots)
-    auto slot_at = [&](int t, int d, int slot, int k) {
-        const int64_t index = kLaneSlots ? static_cast<int64_t>(t) * kNumTopk + k
-                                         : static_cast<int64_t>(d) * args.num_max_tokens_per_rank + slot;
-        return args.window_base + kWorkspaceBytes + index * Slot::kBytes;
-    };
-
     // Hybrid mode: lane n watches the partials of node n (put by our forwarder there)
     const int num_ranks_per_node = kHybrid ? args.num_ranks_per_node : 1;
     const int num_nodes = kNumRanks / num_ranks_per_node, own_node = args.rank / num_ranks_per_node;
+    // The slot of token `t`'s row from holder `d` at lane `k` (layout.cuh: kCombineLaneSlots; in
+    // hybrid mode's lane slots, those of our node, combine_forward.cuh)
+    auto slot_at = [&](int t, int d, int slot, int k) {
+        const int64_t lane_index =
+            (kHybrid ? static_cast<int64_t>(own_node) * args.num_max_tokens_per_rank + t : t) * kNumTopk + k;
+        const int64_t index = kLaneSlots ? lane_index : static_cast<int64_t>(d) * args.num_max_tokens_per_rank + slot;
+        return args.window_base + kWorkspaceBytes + index * Slot::kBytes;
+    };
     const int num_partials = kHybrid and lane_idx < num_nodes and lane_idx != own_node
                                  ? min(max(args.num_tokens_per_node[lane_idx], 0), args.num_max_tokens_per_rank)
                                  : 0;
     // Node n's partial of token `t` at forward slot `slot` (lane n's)
     auto partial_at = [&](int n, int slot) {
         return args.window_base + kWorkspaceBytes +
-               (static_cast<int64_t>(kNumRanks + n) * args.num_max_tokens_per_rank + slot) * Slot::kBytes;
+               (partial_slots_begin<kNumRanks, kNumTopk, kLaneSlots>(num_nodes, args.num_max_tokens_per_rank) +
+                static_cast<int64_t>(n) * args.num_max_tokens_per_rank + slot) *
+                   Slot::kBytes;
     };
 
     const int num_items = args.num_tokens * kNumParts;

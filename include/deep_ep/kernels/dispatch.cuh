@@ -85,7 +85,7 @@ struct DispatchArgs {
     int num_hybrid_nodes;
     int* num_tokens_per_node;  // [num_hybrid_nodes]: written (fresh) or read (cached); with 0 nodes, null
     // Hybrid mode, fresh dispatch: what the combine's forwarding needs of what we relay
-    // (combine_forward.cuh), `[num_hybrid_nodes, num_max_tokens_per_rank, topk]` and
+    // (combine_forward.cuh), `[num_hybrid_nodes, num_max_tokens_per_rank, topk + 1]` and
     // `[num_hybrid_nodes, num_ranks_per_node + 1]`; else null
     int* forward_map;
     int* forward_counts;
@@ -541,7 +541,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
         if constexpr (kForward) {
             if (task >= num_tasks) {
                 const int m = (task - num_tasks) / num_relay_blocks, block = (task - num_tasks) % num_relay_blocks;
-                if (m != fw.node and not relay_forward_block<Record::kBytes, Record::kTopkIdxOffset, kNumTopk>(
+                if (m != fw.node and not relay_forward_block<Record, kNumTopk>(
                                          fw, scaleout, peer_windows, m, block, args.arrival_block, signature,
                                          args.num_max_tokens_per_rank, fault, args.rank, args.timeout_ns,
                                          kCached ? nullptr : args.forward_map, kCached ? nullptr : args.forward_counts,

@@ -49,7 +49,8 @@ template <bool kStrict>
 struct Emulated {
     static constexpr bool kHasNic = kStrict;
     static constexpr bool kHasRemote = true;  // the ranks of other virtual nodes
-    static constexpr bool kHybrid = false;  // hybrid.cuh
+    static constexpr bool kHybrid = false;    // hybrid.cuh
+    static constexpr bool kHybridLaneSlots = false;
 
     struct Args {
         char* const* peer_windows;  // [num_ranks] every rank's window base: the NIC reaches them all

@@ -22,7 +22,8 @@ namespace deep_ep::transport {
 struct Gin {
     static constexpr bool kHasNic = false;    // no NIC of ours to run (emulated.cuh has one)
     static constexpr bool kHasRemote = true;  // the ranks of other nodes
-    static constexpr bool kHybrid = false;  // hybrid.cuh
+    static constexpr bool kHybrid = false;    // hybrid.cuh
+    static constexpr bool kHybridLaneSlots = false;
 
     struct Args {
         ncclDevComm comm;     // the device communicator of a communicator of our own (never torch's)

@@ -20,7 +20,8 @@ namespace deep_ep::transport {
 struct Lsa {
     static constexpr bool kHasNic = false;     // no NIC of ours to run (emulated.cuh has one)
     static constexpr bool kHasRemote = false;  // no peer outside the scale-up domain
-    static constexpr bool kHybrid = false;  // hybrid.cuh
+    static constexpr bool kHybrid = false;     // hybrid.cuh
+    static constexpr bool kHybridLaneSlots = false;
 
     struct Args {
         char* const* peer_windows;  // [num_ranks] every rank's window base, as this rank reaches it
