@@ -94,14 +94,12 @@ def _gin_specs(version: str, backend: str) -> list:
     if version == "2.32.3":
         specs += kernel_specs.moe_specs(8, 4096, 8, 64, (128,), True, transport)
         # Hybrid mode's dispatches (issue 17), fresh and cached, BF16 (FP8 differs in its scales' bytes), its
-        # forwarding combines, and its node-stage combine epilogue over PROXY (over GDAKI it needs a 472-byte
-        # stack frame at 128 registers: owed, docs/hybrid.md)
+        # forwarding combines and its node-stage combine epilogue
         specs += [kernel_specs.dispatch_spec(8, 8192, 0, 8, cached, False, f"hybrid-{transport}")
                   for cached in (False, True)]  # fmt: skip
         specs += [kernel_specs.combine_spec(8, 4096, 8, 1, expand, False, f"hybrid-{transport}")
                   for expand in (False, True)]  # fmt: skip
-        if backend == "PROXY":
-            specs.append(kernel_specs.combine_epilogue_spec(8, 4096, 8, 1, False, f"hybrid-{transport}"))
+        specs.append(kernel_specs.combine_epilogue_spec(8, 4096, 8, 1, False, f"hybrid-{transport}"))
     return list(dict.fromkeys(specs))
 
 

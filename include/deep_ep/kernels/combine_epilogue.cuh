@@ -345,8 +345,11 @@ template <int kNumRanks, int kHidden, int kNumTopk, int kNumRows, int kNumThread
 __global__ void __launch_bounds__(kNumThreads, 1)
     combine_epilogue_impl(CombineEpilogueArgs args, typename Transport::Args transport_args) {
     // With an emulated NIC, the grid's last CTA is the NIC
+    // Inlined by force: a call would take the transport's state by reference, into a stack frame
+    // (472 bytes over GIN GDAKI in hybrid mode, where the body is largest)
     run_with_transport<Transport, kNumThreads>(
-        args, transport_args, false, [&](const Transport& transport, const auto& scaleout, const FaultSink& fault) {
+        args, transport_args, false,
+        [&](const Transport& transport, const auto& scaleout, const FaultSink& fault) __attribute__((always_inline)) {
             combine_epilogue_body<kNumRanks, kHidden, kNumTopk, kNumRows, kNumThreads, kRankMasking>(args, transport,
                                                                                                      scaleout, fault);
         });
