@@ -40,9 +40,9 @@ class NvlinkBackend(EPBackend):
     supports_graph_capture: ClassVar[bool] = True
     supports_rank_masking: ClassVar[bool] = True
     supports_mask_on_timeout: ClassVar[bool] = True
-    # Hybrid mode so far: a fresh dispatch sends each token once per remote node (a cached one is
-    # direct, into the same slots); a combine sends its rows directly and the home rank adds them
-    # with hybrid mode's node stage (the same bits as forwarders that sum per node)
+    # Hybrid mode (docs/hybrid.md): a dispatch sends each token once per remote node, to its forwarder
+    # there; a combine with one row per holder sends one partial per (token, remote node), summed by
+    # the forwarders
     supports_hybrid_mode: ClassVar[bool] = True
 
     @classmethod

@@ -229,8 +229,9 @@ class NvlinkRuntime:
         # whose staging ring gives each warp of the largest grid its entries
         self.num_scaleup_ranks = transport.num_scaleup_ranks
         # Hybrid mode's nodes (0: direct mode): a dispatch (its kernel over `hybrid-<transport>`) sends
-        # each token once per remote node, to its forwarder there (forward.cuh); a combine sends its
-        # rows directly and the home rank adds them per node first (docs/hybrid.md)
+        # each token once per remote node, to its forwarder there (forward.cuh); a combine with one row
+        # per holder sends one partial per (token, remote node), summed by the forwarders
+        # (combine_forward.cuh, docs/hybrid.md)
         if num_hybrid_nodes and not transport.has_remote_peers:
             raise ValueError(f"hybrid mode ({num_hybrid_nodes} nodes) needs a transport with remote peers")
         self.num_hybrid_nodes = num_hybrid_nodes
