@@ -15,8 +15,8 @@
 // signals the home's arrival words for the forwarder per block of forward slots.
 //
 // The forwarder learns a forwarded token's holders from the forward map its fresh dispatch wrote
-// while relaying the records (the records share the window with the combine slots, so they are gone
-// by then); a cached dispatch relays the same routing and keeps it:
+// while relaying the records (the records do not outlive their dispatch: the next one, perhaps of
+// another handle, writes over them); a cached dispatch relays the same routing and keeps it:
 //   forward map    [m][forward slot][lane]  per top-k lane of a token the source of node m sent us:
 //                                           `(local rank << 24) | slot there` for a lane whose expert
 //                                           is in our node, else -1; then (column K) the token's
