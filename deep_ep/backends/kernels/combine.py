@@ -40,20 +40,18 @@ def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: 
     if plan is not None:
         return plan
     slot = CombineSlotLayout(hidden, num_topk)
-    num_nodes = runtime.num_hybrid_nodes if node_stage else 0
+    transport = runtime.transport_kind
     if node_stage:
+        num_nodes = runtime.num_hybrid_nodes
         lane_slots = hybrid_combine_uses_lane_slots(runtime.num_ranks, num_nodes, num_topk)
-    else:
-        lane_slots = combine_uses_lane_slots(runtime.num_ranks, num_topk, num_rows)
-    if node_stage:
         region_bytes = hybrid_combine_region_bytes(runtime.num_ranks, num_nodes, num_max_tokens_per_rank, hidden,
                                                    num_topk)  # fmt: skip
-    else:
-        region_bytes = combine_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows)
-    if node_stage:
         per_token = f"{num_topk} lanes x {num_nodes} nodes" if lane_slots else f"{runtime.num_ranks} ranks"
         slots = f"({per_token} + {num_nodes} node partials)"
+        transport = f"hybrid-{'lanes-' if lane_slots else ''}{transport}"
     else:
+        lane_slots = combine_uses_lane_slots(runtime.num_ranks, num_topk, num_rows)
+        region_bytes = combine_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, hidden, num_topk, num_rows)
         slots = f"{num_topk} lanes" if lane_slots else f"{runtime.num_ranks} ranks"
     runtime.check_capacity(region_bytes, "combine",
                            lambda: f"{num_max_tokens_per_rank} tokens x {slots} x {slot.num_bytes} bytes")  # fmt: skip
@@ -61,9 +59,6 @@ def _combine_plan(runtime: NvlinkRuntime, hidden: int, num_topk: int, num_rows: 
     if runtime.scaleout is not None:  # staging entries for a slot's rows to a remote source
         check_ring(runtime.scaleout.ring_bytes, grid, slot.num_bytes, num_rows if do_expand else 1, "combine")
     masking = runtime.rank_masking
-    transport = runtime.transport_kind
-    if node_stage:
-        transport = f"hybrid-{'lanes-' if lane_slots else ''}{transport}"
     kernels = runtime.share.load([
         specs.combine_spec(runtime.num_ranks, hidden, num_topk, num_rows, do_expand, masking, transport),
         specs.combine_epilogue_spec(runtime.num_ranks, hidden, num_topk, num_rows, masking, transport),

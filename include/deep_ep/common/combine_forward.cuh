@@ -43,7 +43,7 @@ __device__ __forceinline__ int pack_forward_entry(int local_rank, int slot) {
     return (local_rank << kForwardSlotBits) | slot;
 }
 
-// Our node's ranks: `S` and the first
+// The ranks of our node, `S`
 __device__ __forceinline__ int num_scaleup_ranks() {
     const ScaleoutWords& words = Scaleout<true>::words();
     return words.scaleup_end - words.scaleup_begin;
