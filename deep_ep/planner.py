@@ -40,9 +40,11 @@ from typing import Any
 
 from deep_ep.records import (
     DispatchRecordLayout,
+    buffer_record_bytes,
     buffer_region_bytes,
     combine_region_bytes,
     dispatch_region_bytes,
+    forward_region_bytes,
     hybrid_combine_region_bytes,
     window_bytes,
 )
@@ -351,33 +353,42 @@ def buffer_size_hint(
 ) -> int:
     """Buffer bytes per rank for the MoE shape (2 MiB aligned): the window layout of
     `deep_ep.records` (`buffer_region_bytes`: no larger than DeepEP V2's hint for the same arguments,
-    plus our workspace), with one more source block per domain when hybrid mode may run across
-    domains (`num_ranks_per_domain < num_ranks`), and room for its combine's holder slots and node
-    partials (`hybrid_combine_region_bytes`); `num_topk = 0` counts as 32 lanes."""
+    plus our workspace); when hybrid mode may run across domains (`num_ranks_per_domain <
+    num_ranks`), room for its dispatch's forward records after the records (`forward_region_bytes`)
+    and for its combine's holder slots and node partials (`hybrid_combine_region_bytes`). The
+    kernels' scale-out region comes on top (`deep_ep.backends.kernels.scaleout`); `num_topk = 0`
+    counts as 32 lanes."""
     num_topk = num_topk if num_topk > 0 else 32
     per_domain = num_ranks if num_ranks_per_domain is None else num_ranks_per_domain
-    num_slot_ranks = num_ranks
-    region = 0
+    region = buffer_region_bytes(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                 allow_multiple_reduction)  # fmt: skip
     if allow_hybrid_mode and per_domain < num_ranks:
-        num_slot_ranks += num_ranks // per_domain
-        region = hybrid_combine_region_bytes(num_ranks, num_ranks // per_domain, num_max_tokens_per_rank, hidden,
-                                             num_topk)  # fmt: skip
-    region = max(region, buffer_region_bytes(num_slot_ranks, num_max_tokens_per_rank, hidden, num_topk,
-                                             use_fp8_dispatch, allow_multiple_reduction))  # fmt: skip
+        record = buffer_record_bytes(hidden, num_topk, use_fp8_dispatch)
+        region = max(region, _hybrid_region_bytes(num_ranks, num_ranks // per_domain, num_max_tokens_per_rank,
+                                                  hidden, num_topk, record))  # fmt: skip
     return window_bytes(region)
+
+
+def _hybrid_region_bytes(num_ranks: int, num_domains: int, num_tokens: int, hidden: int, num_topk: int,
+                         record_bytes: int) -> int:  # fmt: skip
+    """Hybrid mode's data region: a dispatch's records then its forward region, or a combine's slots."""
+    dispatch = dispatch_region_bytes(num_ranks, num_tokens, record_bytes)
+    dispatch += forward_region_bytes(num_domains, num_ranks // num_domains, num_tokens, record_bytes)
+    return max(dispatch, hybrid_combine_region_bytes(num_ranks, num_domains, num_tokens, hidden, num_topk))
 
 
 def _buffer_bytes(shape: MoEShape, num_ranks: int, num_domains: int, mode: str) -> tuple[int, int]:
     """Window bytes per rank for this shape's dispatch records and combine slots alone."""
-    num_slot_ranks = num_ranks + (num_domains if mode == "hybrid" else 0)
     hidden_bytes = shape.hidden if shape.fp8_dispatch else 2 * shape.hidden
     scale_bytes = 4 * math.ceil(shape.hidden / 128) if shape.fp8_dispatch else 0
     record = DispatchRecordLayout(hidden_bytes, scale_bytes, shape.num_topk).num_bytes
+    dispatch = dispatch_region_bytes(num_ranks, shape.num_tokens, record)
     if mode == "hybrid":
+        dispatch += forward_region_bytes(num_domains, num_ranks // num_domains, shape.num_tokens, record)
         combine = hybrid_combine_region_bytes(num_ranks, num_domains, shape.num_tokens, shape.hidden, shape.num_topk)
     else:
-        combine = combine_region_bytes(num_slot_ranks, shape.num_tokens, shape.hidden, shape.num_topk, 1)
-    return window_bytes(dispatch_region_bytes(num_slot_ranks, shape.num_tokens, record)), window_bytes(combine)
+        combine = combine_region_bytes(num_ranks, shape.num_tokens, shape.hidden, shape.num_topk, 1)
+    return window_bytes(dispatch), window_bytes(combine)
 
 
 def plan(

@@ -1,8 +1,8 @@
 """The byte format of what travels between ranks, and the window it travels through.
 
 A window is a workspace, then the dispatch records (one block of `num_max_tokens_per_rank` per source
-rank) or the combine slots (per holder rank and token, or per token and top-k lane): never both at
-once, so they share the memory.
+rank; in hybrid mode followed by the forward records of the other nodes) or the combine slots (per
+holder rank and token, or per token and top-k lane): never both at once, so they share the memory.
 Mirrors `DispatchRecord`, `CombineSlot` and `kWorkspaceBytes` of `include/deep_ep/common/layout.cuh`
 (checked by `tests/test_layout.py`). The planner sizes buffers with it (`deep_ep.planner`) and the
 kernels place records with it (`deep_ep.backends.kernels`).
@@ -39,6 +39,21 @@ def v2_record_bytes(hidden_bytes: int, scale_bytes: int, num_topk: int) -> int:
     """DeepEP V2's dispatch record for the same token (its buffer hint's `tok_d`): data, scales and
     `K * 8 + (1 + K) * 4` bytes of metadata, each 16-byte aligned."""
     return align(hidden_bytes, 16) + align(scale_bytes, 16) + align(num_topk * 8 + (1 + num_topk) * 4, 16)
+
+
+def v2_hybrid_hint_bytes(num_scaleup_ranks: int, num_scaleout_ranks: int, num_max_tokens_per_rank: int, hidden: int,
+                         num_topk: int, use_fp8_dispatch: bool, allow_multiple_reduction: bool) -> int:  # fmt: skip
+    """DeepEP V2's buffer size hint in hybrid mode (v2-parity.md item 16): its receive, send and forward
+    buffers of both phases, 2 MiB aligned. A hybrid window of ours is sized to stay within it."""
+    k = num_topk if num_topk > 0 else 32
+    su, so, t, amr = num_scaleup_ranks, num_scaleout_ranks, num_max_tokens_per_rank, allow_multiple_reduction
+    scale_bytes = 4 * -(-hidden // 32) if use_fp8_dispatch else 0
+    dispatch_token = v2_record_bytes(hidden * (1 if use_fp8_dispatch else 2), scale_bytes, k)
+    combine_token = align(hidden * 2, 16) + align(k * 8, 16)
+    dispatch = (su * so * t + t + so * (t + 1280)) * dispatch_token
+    combine = ((min(su, k) if amr else k) * so * t + (min(so, k) if amr else k) * t
+               + (1 if amr else k) * so * (t + 1280)) * combine_token  # fmt: skip
+    return align(max(dispatch, combine), BUFFER_ALIGNMENT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,27 @@ def hybrid_combine_region_bytes(num_ranks: int, num_nodes: int, num_max_tokens_p
     return (per_node + 1) * num_nodes * num_max_tokens_per_rank * CombineSlotLayout(hidden, num_topk).num_bytes
 
 
+def forward_header_bytes(num_ranks_per_node: int) -> int:
+    """A forward record's header (forward.cuh): one int32 slot per rank of the node, 16-byte aligned."""
+    return align(4 * num_ranks_per_node, 16)
+
+
+def forward_region_bytes(num_nodes: int, num_ranks_per_node: int, num_max_tokens_per_rank: int,
+                         record_bytes: int) -> int:  # fmt: skip
+    """Bytes of hybrid mode's forward region (forward.cuh), after a dispatch's records in the data region:
+    a block of `Tmax` forward records (record and header) per *other* node's sources with our local
+    index; our own node's sources store their records into their destinations directly."""
+    per_record = record_bytes + forward_header_bytes(num_ranks_per_node)
+    return (num_nodes - 1) * num_max_tokens_per_rank * per_record
+
+
+def buffer_record_bytes(hidden: int, num_topk: int, use_fp8_dispatch: bool) -> int:
+    """The dispatch record a buffer is sized for: BF16, or with `use_fp8_dispatch` FP8 with one 4-byte
+    scale per 32 elements (the most DeepEP V2 sizes for; `buffer_region_bytes`)."""
+    data_bytes, scale_bytes = (hidden, 4 * -(-hidden // 32)) if use_fp8_dispatch else (2 * hidden, 0)
+    return DispatchRecordLayout(data_bytes, scale_bytes, num_topk).num_bytes
+
+
 def window_bytes(num_region_bytes: int) -> int:
     """Window size: the workspace plus the larger of the dispatch records and the combine slots (they
     share the memory), 2 MiB aligned."""
@@ -135,8 +171,7 @@ def buffer_region_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: in
     multiple reduction, one per top-k lane without (expanded rows of a token's local lanes then
     travel one by one).
     """
-    data_bytes, scale_bytes = (hidden, 4 * -(-hidden // 32)) if use_fp8_dispatch else (2 * hidden, 0)
-    record = DispatchRecordLayout(data_bytes, scale_bytes, num_topk).num_bytes
+    record = buffer_record_bytes(hidden, num_topk, use_fp8_dispatch)
     num_rows = 1 if allow_multiple_reduction else max(2, num_topk)
     return max(
         dispatch_region_bytes(num_ranks, num_max_tokens_per_rank, record),

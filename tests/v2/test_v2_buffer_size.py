@@ -12,7 +12,11 @@ import torch.distributed as dist
 
 import deep_ep
 from deep_ep import planner
-from deep_ep.records import BUFFER_ALIGNMENT_BYTES, WORKSPACE_BYTES
+from deep_ep.backends.kernels.layout import MAX_RANKS as MAX_KERNEL_RANKS
+from deep_ep.backends.kernels.scaleout import buffer_scaleout_region, entries_per_warp
+from deep_ep.records import BUFFER_ALIGNMENT_BYTES, WORKSPACE_BYTES, CombineSlotLayout, v2_hybrid_hint_bytes
+
+H200_SMS = 132
 
 
 def _align(n: int, a: int) -> int:
@@ -90,9 +94,8 @@ def test_the_buffer_allocates_the_hint(group: dist.ProcessGroup) -> None:
 
 
 def test_the_hybrid_bound_is_at_most_v2s_hybrid_hint_up_to_ep2048() -> None:
-    # The hint reserves hybrid mode's forward records (one source block per node); the kernels keep theirs in
-    # the window's scale-out region so far (docs/hybrid.md). Its combine keeps `min(S, K)` slots per node and
-    # token as V2 does, and a node partial (`hybrid_combine_region_bytes`)
+    # The hint reserves hybrid mode's forward records (one block per other node) after the records, and its
+    # combine's `min(S, K)` slots per node and token as V2 keeps, and a node partial (`hybrid_combine_region_bytes`)
     worst = 0.0
     for num_scaleup, num_scaleout, num_tokens, num_topk, fp8, multiple in itertools.product(
         (2, 4, 8, 64), (2, 4, 8, 32), (128, 4096), (0, 1, 8, 9, 32), (False, True), (False, True)
@@ -104,3 +107,38 @@ def test_the_hybrid_bound_is_at_most_v2s_hybrid_hint_up_to_ep2048() -> None:
         assert ours <= limit, (num_scaleup, num_scaleout, num_tokens, num_topk, fp8, multiple, ours, theirs)
         worst = max(worst, ours / limit)
     print(f"\nhybrid, EP4 to EP2048: our hint is at most {worst:.3f}x V2's hybrid hint plus the workspace")
+
+
+HYBRID_SHAPES = [
+    shape
+    for shape in itertools.product(
+        (2, 4, 8, 16, 32),  # ranks per node
+        (2, 4, 8, 16, 32),  # nodes
+        (1, 128, 512, 1024, 4096, 8192),  # tokens per rank
+        (0, 1, 2, 6, 8, 9),  # top-k
+        (False, True),  # FP8
+        (False, True),  # multiple reduction
+        (2048, 4096, 7168),  # hidden
+    )
+    if shape[0] * shape[1] <= MAX_KERNEL_RANKS
+]
+
+
+def test_a_hybrid_window_with_its_scaleout_region_is_within_v2s_hybrid_hint() -> None:
+    # What the kernels allocate per rank in hybrid mode: the hint, then the scale-out region (remote words,
+    # the staging of a dispatch's records and headers, the combine ring of at least MIN_RING_SMS SMs)
+    worst, num_full_rings = 0.0, 0
+    for per_node, num_nodes, num_tokens, num_topk, fp8, multiple, hidden in HYBRID_SHAPES:
+        num_ranks = per_node * num_nodes
+        data = planner.buffer_size_hint(num_ranks, num_tokens, hidden, num_topk, fp8, True, multiple, per_node)
+        region = buffer_scaleout_region(data, num_ranks, H200_SMS, hidden, num_topk, num_tokens, fp8, multiple,
+                                        num_nodes)  # fmt: skip
+        theirs = v2_hybrid_hint(per_node, num_nodes, num_tokens, hidden, num_topk, fp8, multiple)
+        assert theirs == v2_hybrid_hint_bytes(per_node, num_nodes, num_tokens, hidden, num_topk, fp8, multiple)
+        shape = (per_node, num_nodes, num_tokens, num_topk, fp8, multiple, hidden)
+        assert region.offset + region.num_bytes <= theirs, (shape, data, region, theirs)
+        worst = max(worst, (region.offset + region.num_bytes) / theirs)
+        slot = CombineSlotLayout(hidden, num_topk or 32).num_bytes
+        num_full_rings += entries_per_warp(region.ring_bytes, H200_SMS, slot) >= (1 if multiple else num_topk or 8)
+    print(f"\n{len(HYBRID_SHAPES)} hybrid shapes, EP4 to EP64: the whole window is at most {worst:.3f}x V2's hint; "
+          f"{num_full_rings} give every SM's warps their ring entries")  # fmt: skip

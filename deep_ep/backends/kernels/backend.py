@@ -61,7 +61,9 @@ class NvlinkBackend(EPBackend):
                                      num_cpu_timeout_secs=config.num_cpu_timeout_secs,
                                      rank_masking=config.enable_rank_masking,
                                      mask_on_timeout=config.mask_ranks_on_timeout, hidden=config.hidden,
-                                     num_topk=config.num_topk,
+                                     num_topk=config.num_topk, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+                                     use_fp8_dispatch=config.use_fp8_dispatch,
+                                     allow_multiple_reduction=config.allow_multiple_reduction,
                                      ring_entries_per_warp=None if world is None else world.nic.ring_entries_per_warp,
                                      num_hybrid_nodes=hybrid_nodes(config))  # fmt: skip
 

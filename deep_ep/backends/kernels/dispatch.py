@@ -19,13 +19,13 @@ import torch
 
 from deep_ep.backends.base import check_topk_idx_values, worst_case_num_expanded_tokens
 from deep_ep.jit import I32, U64, Opaque
-from deep_ep.records import DispatchRecordLayout, dispatch_region_bytes
+from deep_ep.records import DispatchRecordLayout, dispatch_region_bytes, forward_region_bytes
 from deep_ep.utils.math import align
 
 from . import specs
 from .layout import arrival_block, tokens_per_group
 from .runtime import LaunchPlan, NvlinkRuntime, data_ptr, rows_per_task
-from .scaleout import check_forwarding, check_staging
+from .scaleout import check_staging, dispatch_staging_bytes
 
 
 @dataclass
@@ -85,19 +85,24 @@ def _dispatch_plan(runtime: NvlinkRuntime, hidden_bytes: int, scale_bytes: int, 
     if plan is not None:
         return plan
     record = DispatchRecordLayout(hidden_bytes, scale_bytes, num_topk)
+    region_bytes = dispatch_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, record.num_bytes)
+    num_nodes = runtime.num_hybrid_nodes
+    forwarded = ""
+    if hybrid:  # the forward records of the other nodes' sources follow the records (forward.cuh)
+        region_bytes += forward_region_bytes(num_nodes, runtime.num_scaleup_ranks, num_max_tokens_per_rank,
+                                             record.num_bytes)  # fmt: skip
+        forwarded = f" + {num_max_tokens_per_rank} tokens x {num_nodes - 1} nodes x (record + header) forwarded"
     runtime.check_capacity(
-        dispatch_region_bytes(runtime.num_ranks, num_max_tokens_per_rank, record.num_bytes),
+        region_bytes,
         "dispatch",
-        lambda: f"{num_max_tokens_per_rank} tokens x {runtime.num_ranks} ranks x {record.num_bytes} bytes",
+        lambda: f"{num_max_tokens_per_rank} tokens x {runtime.num_ranks} ranks x {record.num_bytes} bytes{forwarded}",
     )
     args_common = (runtime.num_ranks, hidden_bytes, scale_bytes, num_topk)
     masking, transport = runtime.rank_masking, runtime.transport_kind
     grid = runtime.comm_grid(num_sms)
     if runtime.scaleout is not None:  # every token's record staged at its own place for remote destinations
-        check_staging(runtime.scaleout.ring_bytes, num_max_tokens_per_rank * record.num_bytes, "dispatch")
-    if hybrid:
-        check_forwarding(runtime.scaleout, runtime.num_hybrid_nodes, runtime.num_scaleup_ranks,
-                         num_max_tokens_per_rank, record.num_bytes)  # fmt: skip
+        staged = dispatch_staging_bytes(num_max_tokens_per_rank, record.num_bytes, num_nodes, runtime.num_scaleup_ranks)
+        check_staging(runtime.scaleout.ring_bytes, staged, "dispatch (hybrid mode)" if hybrid else "dispatch")
     kernel_specs = [
         specs.dispatch_spec(*args_common, not fresh, masking, f"hybrid-{transport}" if hybrid else transport)
     ]

@@ -28,7 +28,7 @@ import torch
 from deep_ep.errors import EPError, EPOperationMismatchError, EPPeerError, EPTimeoutError
 from deep_ep.host_reads import wait_for_stream
 from deep_ep.jit import I32, U64, Opaque
-from deep_ep.records import WORKSPACE_BYTES, DispatchRecordLayout
+from deep_ep.records import WORKSPACE_BYTES
 
 from . import specs
 from .layout import (
@@ -52,7 +52,7 @@ from .layout import (
     STAGING_ENTRIES_CAP_OFFSET,
     TIMED_OUT_RANKS_OFFSET,
 )
-from .scaleout import ScaleoutRegion, ring_entry_bytes, scaleout_region
+from .scaleout import ScaleoutRegion, buffer_scaleout_region
 from .transport import Transport
 
 # How long a host wait busy-polls before it starts sleeping between polls
@@ -179,14 +179,17 @@ class NvlinkRuntime:
         num_cpu_timeout_secs: deadline of every host-side wait.
         rank_masking: whether the kernels are the ones that honour masked ranks (rank_mask.cuh).
         mask_on_timeout: rank masking's automatic mode: a peer whose wait expires is masked.
-        hidden, num_topk: the shape the buffer was sized for (0: not given), which sizes the staging
-            ring for remote peers.
-        ring_entries_per_warp: the staging ring's entries per warp (default: the top-k, at least 2).
+        hidden, num_topk, num_max_tokens_per_rank, use_fp8_dispatch, allow_multiple_reduction: the
+            shape the buffer was sized for (0: not given), which sizes the staging for remote peers
+            (`scaleout.buffer_scaleout_region`).
+        ring_entries_per_warp: the combine ring's entries per warp (default: one with multiple
+            reduction, else the top-k), and the most a warp takes.
     """
 
     def __init__(
         self, transport: Transport, num_bytes: int, num_gpu_timeout_secs: float, num_cpu_timeout_secs: float,
         rank_masking: bool = False, mask_on_timeout: bool = False, hidden: int = 0, num_topk: int = 0,
+        num_max_tokens_per_rank: int = 0, use_fp8_dispatch: bool = False, allow_multiple_reduction: bool = True,
         ring_entries_per_warp: int | None = None, num_hybrid_nodes: int = 0,
     ) -> None:  # fmt: skip
         share = transport.share
@@ -239,12 +242,10 @@ class NvlinkRuntime:
         window_bytes = num_bytes
         self._ring_entries_cap = ring_entries_per_warp or 0
         if transport.has_remote_peers:
-            entries = ring_entries_per_warp if ring_entries_per_warp is not None else max(2, num_topk or 8)
-            # Hybrid mode: forward records of at least an FP8 record of the buffer's shape
-            min_record_bytes = DispatchRecordLayout(hidden, 0, 1).num_bytes if hidden > 0 else 1024
-            self.scaleout = scaleout_region(num_bytes, transport.num_ranks, share.num_sms, entries,
-                                            ring_entry_bytes(hidden, num_topk), num_hybrid_nodes,
-                                            min_record_bytes)  # fmt: skip
+            self.scaleout = buffer_scaleout_region(num_bytes, transport.num_ranks, share.num_sms, hidden, num_topk,
+                                                   num_max_tokens_per_rank, use_fp8_dispatch,
+                                                   allow_multiple_reduction, num_hybrid_nodes,
+                                                   ring_entries_per_warp)  # fmt: skip
             window_bytes = self.scaleout.offset + self.scaleout.num_bytes
         # The emulated NIC drains after every wait of its kernel: its deadline is longer than theirs
         self.links = transport.make_links(4 * self.timeout_ns + 10**10)

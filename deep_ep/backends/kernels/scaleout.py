@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deep_ep.records import BUFFER_ALIGNMENT_BYTES, WORKSPACE_BYTES, CombineSlotLayout, DispatchRecordLayout
+from deep_ep.records import (
+    BUFFER_ALIGNMENT_BYTES,
+    WORKSPACE_BYTES,
+    CombineSlotLayout,
+    DispatchRecordLayout,
+    buffer_record_bytes,
+    forward_header_bytes,
+    v2_hybrid_hint_bytes,
+)
 from deep_ep.utils.math import align
 
 from . import specs
@@ -22,6 +30,8 @@ from .layout import STAGING_RING_OFFSET
 WARPS_PER_CTA = specs.NUM_THREADS // 32
 # An entry's bytes when the buffer was not sized for a hidden size: a BF16 record of hidden 7168
 DEFAULT_ENTRY_BYTES = 16 << 10
+# Hybrid mode's combine ring serves at least this many SMs, even where DeepEP V2's hint is smaller
+MIN_RING_SMS = 32
 
 
 @dataclass(frozen=True)
@@ -33,13 +43,11 @@ class ScaleoutRegion:
         ring_bytes: the staging's bytes (a dispatch's records, in hybrid mode then their headers, or
             a combine's ring).
         num_bytes: the region's bytes (2 MiB aligned).
-        forward_bytes: hybrid mode's forward region, after the staging (0 in direct mode).
     """
 
     offset: int
     ring_bytes: int
     num_bytes: int
-    forward_bytes: int = 0
 
 
 def ring_entry_bytes(hidden: int, num_topk: int) -> int:
@@ -51,44 +59,55 @@ def ring_entry_bytes(hidden: int, num_topk: int) -> int:
     return max(DispatchRecordLayout(2 * hidden, 0, topk).num_bytes, CombineSlotLayout(hidden, topk).num_bytes)
 
 
-def header_bytes(num_ranks_per_node: int) -> int:
-    """A forward record's header (forward.cuh): one int32 slot per rank of the node, 16-byte aligned."""
-    return align(4 * num_ranks_per_node, 16)
+def dispatch_staging_bytes(num_max_tokens: int, record_bytes: int, num_hybrid_nodes: int = 0,
+                           num_ranks_per_node: int = 0) -> int:  # fmt: skip
+    """What a dispatch stages: each token's record at its own place, then in hybrid mode (forward.cuh)
+    a header per (node, token)."""
+    headers = num_hybrid_nodes * num_max_tokens * forward_header_bytes(num_ranks_per_node) if num_hybrid_nodes else 0
+    return num_max_tokens * record_bytes + headers
 
 
-def scaleout_region(data_bytes: int, num_ranks: int, max_sms: int, entries_per_warp: int, entry_bytes: int,
-                    num_hybrid_nodes: int = 0, min_record_bytes: int = 0) -> ScaleoutRegion:  # fmt: skip
-    """The region of a window whose data region ends at `data_bytes` (the workspace, then one block
-    of records per rank), for combines of up to `max_sms` CTAs whose warps each keep
-    `entries_per_warp` entries of `entry_bytes`; a dispatch's records fit one rank's block.
-    In hybrid mode (`num_hybrid_nodes` > 0) the staging also holds a header per (node, token) and a
-    forward region follows it: one rank's block of records per node, with their headers, for records
-    of at least `min_record_bytes` (so at most one rank's block / `min_record_bytes` tokens)."""
-    dispatch_bytes = (data_bytes - WORKSPACE_BYTES) // num_ranks
-    headers = 0
-    if num_hybrid_nodes:
-        max_tokens = dispatch_bytes // max(min_record_bytes, 16)
-        headers = num_hybrid_nodes * max_tokens * header_bytes(num_ranks // num_hybrid_nodes)
-    ring_bytes = max(dispatch_bytes + headers, max_sms * WARPS_PER_CTA * entries_per_warp * align(entry_bytes, 16))
-    ring_bytes = align(ring_bytes, 16)
-    forward_bytes = num_hybrid_nodes * dispatch_bytes + headers
-    return ScaleoutRegion(align(data_bytes, BUFFER_ALIGNMENT_BYTES), ring_bytes,
-                          align(STAGING_RING_OFFSET + ring_bytes + forward_bytes, BUFFER_ALIGNMENT_BYTES),
-                          forward_bytes)  # fmt: skip
+def scaleout_region(data_bytes: int, staging_bytes: int, ring_bytes: int) -> ScaleoutRegion:
+    """The region after a data region of `data_bytes` whose staging holds a dispatch's `staging_bytes`
+    and a combine's ring of `ring_bytes` (they never run at once, so they share the memory)."""
+    staging = align(max(staging_bytes, ring_bytes), 16)
+    return ScaleoutRegion(align(data_bytes, BUFFER_ALIGNMENT_BYTES), staging,
+                          align(STAGING_RING_OFFSET + staging, BUFFER_ALIGNMENT_BYTES))  # fmt: skip
 
 
-def check_forwarding(region: ScaleoutRegion, num_nodes: int, num_ranks_per_node: int, num_max_tokens: int,
-                     record_bytes: int) -> None:  # fmt: skip
-    """Raise `ValueError` unless hybrid mode's headers fit the staging after a dispatch's records, and
-    its forward records (one block of `num_max_tokens` per node) the forward region."""
-    headers = num_nodes * num_max_tokens * header_bytes(num_ranks_per_node)
-    check_staging(region.ring_bytes, num_max_tokens * record_bytes + headers, "dispatch (hybrid mode)")
-    needed = num_nodes * num_max_tokens * record_bytes + headers
-    if needed > region.forward_bytes:
-        raise ValueError(
-            f"dispatch (hybrid mode): the forward region holds {region.forward_bytes} bytes and this call's forward "
-            f"records need {needed}; create the buffer with the `hidden` and `num_max_tokens_per_rank` of this call"
-        )
+def buffer_scaleout_region(data_bytes: int, num_ranks: int, max_sms: int, hidden: int, num_topk: int,
+                           num_max_tokens_per_rank: int, use_fp8_dispatch: bool, allow_multiple_reduction: bool,
+                           num_hybrid_nodes: int = 0, ring_entries_per_warp: int | None = None) -> ScaleoutRegion:  # fmt: skip
+    """The scale-out region of a buffer sized for this shape (`hidden`, `num_topk`,
+    `num_max_tokens_per_rank`: 0 when not given) whose data region ends at `data_bytes`, for kernels
+    of up to `max_sms` CTAs.
+
+    The staging holds a dispatch of the buffer's shape (without one, a block of records as large as
+    one rank's share of the data region, and in hybrid mode headers for as many FP8 records). The
+    combine ring gives each warp of `max_sms` CTAs `ring_entries_per_warp` entries, by default what
+    one of its tasks needs: one with multiple reduction (a holder sends one row per token and
+    destination), else the top-k (a row per lane). A grid of fewer CTAs gets more entries per warp
+    (`entries_per_warp`)."""
+    num_ranks_per_node = num_ranks // num_hybrid_nodes if num_hybrid_nodes else 0
+    if hidden > 0 and num_max_tokens_per_rank > 0:
+        record = buffer_record_bytes(hidden, num_topk if num_topk > 0 else 32, use_fp8_dispatch)
+        staging = dispatch_staging_bytes(num_max_tokens_per_rank, record, num_hybrid_nodes, num_ranks_per_node)
+    else:
+        block = (data_bytes - WORKSPACE_BYTES) // num_ranks
+        min_record = DispatchRecordLayout(hidden, 0, 1).num_bytes if hidden > 0 else 1024
+        headers = dispatch_staging_bytes(block // min_record, 0, num_hybrid_nodes, num_ranks_per_node)
+        staging = block + headers
+    if ring_entries_per_warp is None:
+        ring_entries_per_warp = 1 if allow_multiple_reduction else num_topk or 8
+    per_sm = WARPS_PER_CTA * ring_entries_per_warp * align(ring_entry_bytes(hidden, num_topk), 16)
+    num_ring_sms = max_sms
+    if num_hybrid_nodes and hidden > 0 and num_max_tokens_per_rank > 0:
+        # Within DeepEP V2's hint where it leaves room for a ring of `MIN_RING_SMS`
+        target = v2_hybrid_hint_bytes(num_ranks_per_node, num_hybrid_nodes, num_max_tokens_per_rank, hidden,
+                                      num_topk, use_fp8_dispatch, allow_multiple_reduction)  # fmt: skip
+        room = target - align(data_bytes, BUFFER_ALIGNMENT_BYTES) - STAGING_RING_OFFSET
+        num_ring_sms = min(max_sms, max(MIN_RING_SMS, room // per_sm))
+    return scaleout_region(data_bytes, staging, num_ring_sms * per_sm)
 
 
 def check_staging(ring_bytes: int, num_bytes: int, what: str) -> None:

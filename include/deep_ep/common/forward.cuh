@@ -15,7 +15,10 @@
 //   forward expert counts [m][j] its per-expert counts for j
 //   forward record flag [m]      a count flag of the forward records `m`'s source sends us
 //   forward arrivals [m][block]  the records of each block of forward slots that landed
-// and after the staging ring, the forward region: [m][forward slot] records with their headers.
+// In the data region, after the dispatch's records (one block per source rank), the forward region:
+// [other node m][forward slot] records with their headers, for the nodes other than ours (our own
+// node's sources store into their destinations directly). The combine's slots reuse that memory:
+// a forwarder's credit, which lets a holder write its slots, comes after its dispatch kernel ended.
 // The source stages each header after its staged records: [node][token] at the end of the staging.
 
 #include <cstdint>
@@ -37,11 +40,11 @@ struct Forwarding {
     int node;                // ours
     int local_rank;          // ours, inside the node
     int header_bytes;        // align(4 S, 16)
-    int64_t forward_offset;  // window offset of the forward region
+    int64_t forward_offset;  // window offset of the forward region (the same at every forwarder)
     int64_t header_staging;  // window offset of the headers' staging ([node][token])
 
-    // `rank` of `num_ranks`; the region as `scaleout` describes it; records of `record_bytes` and
-    // `num_max_tokens` per rank (the call's)
+    // `rank` of `num_ranks`; the scale-out region `scaleout`; records of `record_bytes` and
+    // `num_max_tokens` per rank (the call's: they place the forward region after its records)
     Forwarding() = default;
     __device__ __forceinline__ Forwarding(const Scaleout<true>& scaleout, int rank, int num_ranks, int record_bytes,
                                           int num_max_tokens) {
@@ -51,8 +54,7 @@ struct Forwarding {
         node = rank / num_ranks_per_node;
         local_rank = rank % num_ranks_per_node;
         header_bytes = align_up(4 * num_ranks_per_node, 16);
-        const int64_t ring_bytes = *reinterpret_cast<const int64_t*>(scaleout.window() + kScaleoutRingBytesOffset);
-        forward_offset = scaleout.region_offset() + kStagingRingOffset + ring_bytes;
+        forward_offset = kWorkspaceBytes + int64_t(num_ranks) * num_max_tokens * record_bytes;
         header_staging = scaleout.region_offset() + kStagingRingOffset + int64_t(num_max_tokens) * record_bytes;
     }
 
@@ -61,10 +63,13 @@ struct Forwarding {
         return node_idx * num_ranks_per_node + local;
     }
 
-    // The forward record of source node `m` at forward slot `slot` (window offset at the forwarder)
-    __device__ __forceinline__ size_t record_offset(int m, int slot, int record_bytes, int num_max_tokens) const {
+    // The forward record of source node `m` at forward slot `slot`, in the window of a forwarder of
+    // node `forwarder_node` (never `m`: the blocks skip the forwarder's own node)
+    __device__ __forceinline__ size_t record_offset(int m, int forwarder_node, int slot, int record_bytes,
+                                                    int num_max_tokens) const {
+        const int block = m < forwarder_node ? m : m - 1;
         return static_cast<size_t>(forward_offset +
-                                   (int64_t(m) * num_max_tokens + slot) * (int64_t(record_bytes) + header_bytes));
+                                   (int64_t(block) * num_max_tokens + slot) * (int64_t(record_bytes) + header_bytes));
     }
     __device__ __forceinline__ size_t header_staging_offset(int dst_node, int t, int num_max_tokens) const {
         return static_cast<size_t>(header_staging + (int64_t(dst_node) * num_max_tokens + t) * header_bytes);
@@ -202,7 +207,7 @@ __device__ __forceinline__ bool relay_forward_block(const Forwarding& fw, const 
     // Lane j: the first slot at local rank j of the block's records, and how many
     int first_slot = -1, num_slots = 0;
     for (int slot = begin; slot < end; ++slot) {
-        const char* record = scaleout.window() + fw.record_offset(m, slot, kRecordBytes, num_max_tokens);
+        const char* record = scaleout.window() + fw.record_offset(m, fw.node, slot, kRecordBytes, num_max_tokens);
         const int dst_slot = lane_idx < fw.num_ranks_per_node
                                  ? ld_relaxed_sys(reinterpret_cast<const int*>(record + kRecordBytes) + lane_idx)
                                  : -1;

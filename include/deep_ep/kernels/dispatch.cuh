@@ -679,7 +679,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
                     if (lane_idx < fw.num_ranks_per_node)
                         header[lane_idx] = args.slot_idx[static_cast<int64_t>(t) * kNumRanks + fw.rank_of(n, lane_idx)];
                     const size_t at =
-                        fw.record_offset(fw.node, node_slot, Record::kBytes, args.num_max_tokens_per_rank);
+                        fw.record_offset(fw.node, n, node_slot, Record::kBytes, args.num_max_tokens_per_rank);
                     // The body, then the header (one call site: the transport's put inlines large)
 #pragma unroll 1
                     for (int piece = 0; piece < 2; ++piece)
