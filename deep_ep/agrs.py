@@ -8,10 +8,11 @@ ranks first agree on the call's shapes and dtypes (one small all-gather, with th
 deadline), so a disagreement raises the same `ValueError` on every rank instead of a hang, and a
 peer that never joins raises `EPTimeoutError`.
 
-This implementation moves the data with torch collectives over the buffer's group, on every backend:
-it is the CPU path and the oracle. The NVLink copy-engine path (zero SMs, in-place tensors in the
-window) is not built yet, so unlike V2's, gathered tensors stay valid after their session ends and an
-in-place tensor is an ordinary tensor that `all_gather` reads.
+The data moves as the backend says (`EPBackend.agrs`): on the kernels backend inside one NVLink
+domain, by the copy engines straight into the peers' windows (`deep_ep.backends.kernels.agrs`:
+gathered tensors are views of the window, valid until the session ends, as V2's); elsewhere by
+torch collectives over the buffer's group, the CPU path and the oracle (gathered tensors are then
+ordinary tensors). An in-place tensor is an ordinary tensor that `all_gather` reads.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from deep_ep.errors import EPPeerError, EPTimeoutError
 from deep_ep.host_reads import host_list, wait_for_work
-from deep_ep.records import BUFFER_ALIGNMENT_BYTES
+from deep_ep.records import BUFFER_ALIGNMENT_BYTES, WORKSPACE_BYTES
 from deep_ep.utils.math import align
 
 # Every gathered tensor takes a multiple of this many bytes of a session (V2: `LDG.256`)
@@ -62,17 +63,21 @@ class AgrsState:
     is_open: bool = False
     num_used_bytes: int = 0
     num_used_calls: int = 0
+    # The backend's data path opened the session (its barrier is queued) and must close it
+    engine_open: bool = False
 
 
 class AgrsMixin:
     """The AGRS methods of `ElasticBuffer` (which provides `group`, `num_ranks`, `rank_idx`, `device`,
-    `num_bytes`, `_agrs` and `_exclusive_call`)."""
+    `num_bytes`, `backend`, `_comm_stream`, `_agrs` and `_exclusive_call`)."""
 
     group: dist.ProcessGroup
     num_ranks: int
     rank_idx: int
     device: torch.device
     num_bytes: int
+    backend: Any
+    _comm_stream: torch.cuda.Stream | None
     _agrs: AgrsState
     _exclusive_call: Callable[[str], contextlib.AbstractContextManager[float]]
 
@@ -84,9 +89,10 @@ class AgrsMixin:
 
     @staticmethod
     def get_agrs_buffer_size_hint(group: dist.ProcessGroup, num_max_session_bytes: int) -> int:
-        """Return the buffer bytes (2 MiB aligned) for sessions of at most `num_max_session_bytes`."""
+        """Return the buffer bytes (2 MiB aligned) for sessions of at most `num_max_session_bytes`: the
+        sessions' data and the window's workspace (the kernels backend keeps a session in its window)."""
         del group  # V2's signature; the size does not depend on it
-        return align(num_max_session_bytes, BUFFER_ALIGNMENT_BYTES)
+        return align(num_max_session_bytes + WORKSPACE_BYTES, BUFFER_ALIGNMENT_BYTES)
 
     def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
         """Set the limits of the next sessions (collective: every rank must pass the same values).
@@ -127,6 +133,13 @@ class AgrsMixin:
                 raise ValueError(f"{op}: needs an open AGRS session, got none (create_agrs_session first)")
             self._agrs.is_open = False
             self._agree(op, "", timeout_s)
+            if self._agrs.engine_open:
+                # Every rank's reads of this session's blocks (queued before) end before any window is written again
+                self._agrs.engine_open = False
+                stream = torch.cuda.current_stream(self.device)
+                self.backend.agrs().end_session(stream)
+                if self._comm_stream is not None:
+                    self._comm_stream.wait_stream(stream)
 
     @contextlib.contextmanager
     def agrs_new_session(self, enabled: bool = True) -> Iterator[None]:
@@ -140,7 +153,7 @@ class AgrsMixin:
         try:
             yield
         except BaseException:
-            self._agrs.is_open = False
+            self._agrs.is_open = self._agrs.engine_open = False
             raise
         self.destroy_agrs_session()
 
@@ -202,11 +215,21 @@ class AgrsMixin:
             except (TypeError, ValueError) as rejected:
                 error = rejected
             self._agree(op, ";".join(f"{x.dtype}{tuple(x.shape)}" for x in tensors), timeout_s, error)
-            self._count(op, tensors)
-            if op == "all_gather":
-                results = [self._gathered(x, timeout_s) for x in tensors]
+            offsets = self._count(op, tensors)
+            engine = self.backend.agrs()
+            if engine is None:
+                gather, reduce = self._gathered, self._reduced
+                results = [(gather if op == "all_gather" else reduce)(x, timeout_s) for x in tensors]
             else:
-                results = [self._reduced(x, timeout_s) for x in tensors]
+                stream = torch.cuda.current_stream(self.device)
+                if not self._agrs.engine_open:
+                    # No peer writes into a window whose dispatch or combine may still be read
+                    if self._comm_stream is not None:
+                        stream.wait_stream(self._comm_stream)
+                    engine.begin_session(stream)
+                    self._agrs.engine_open = True
+                call = engine.all_gather if op == "all_gather" else engine.reduce_scatter
+                results = [call(x, offset, stream) for x, offset in zip(tensors, offsets, strict=True)]
         return (*results, _completed)
 
     def _checked_tensors(self, op: str, t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -228,11 +251,13 @@ class AgrsMixin:
                     raise ValueError(f"{op}: `{name}` must be [num_ranks = {self.num_ranks}, ...], got {list(x.shape)}")
         return tensors
 
-    def _count(self, op: str, tensors: list[torch.Tensor]) -> None:
-        """Count the call against the open session's limits (the same on every rank: they agreed)."""
+    def _count(self, op: str, tensors: list[torch.Tensor]) -> list[int]:
+        """Count the call against the open session's limits (the same on every rank: they agreed);
+        returns where each tensor's data lands among the session's bytes."""
         # What lands here: every rank's tensor (all-gather), or every rank's row for us (reduce-scatter)
         factor = self.num_ranks if op == "all_gather" else 1
-        num_bytes = sum(align(factor * x.numel() * x.element_size(), SESSION_ALIGNMENT_BYTES) for x in tensors)
+        sizes = [align(factor * x.numel() * x.element_size(), SESSION_ALIGNMENT_BYTES) for x in tensors]
+        num_bytes = sum(sizes)
         state = self._agrs
         if state.num_used_bytes + num_bytes > state.num_max_session_bytes:
             raise ValueError(
@@ -244,8 +269,10 @@ class AgrsMixin:
                 f"{op}: the session holds `num_max_all_gathers_per_session` = "
                 f"{state.num_max_all_gathers_per_session} calls, all used (raise it with agrs_set_config)"
             )
+        offsets = [state.num_used_bytes + sum(sizes[:i]) for i in range(len(sizes))]
         state.num_used_bytes += num_bytes
         state.num_used_calls += 1
+        return offsets
 
     def _agree(self, op: str, what: str, timeout_s: float, error: BaseException | None = None) -> None:
         agree_on_call(self, op, what, timeout_s, error)

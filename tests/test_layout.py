@@ -44,6 +44,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kNumScaleupRanksOffset == {layout.NUM_SCALEUP_RANKS_OFFSET});",
         f"static_assert(deep_ep::kFaultForwardedOffset == {layout.FAULT_FORWARDED_OFFSET});",
         f"static_assert(deep_ep::kStagingEntriesCapOffset == {layout.STAGING_ENTRIES_CAP_OFFSET});",
+        f"static_assert(deep_ep::kAgrsFlagOffset == {layout.AGRS_FLAG_OFFSET});",
         f"static_assert(deep_ep::kRemoteCreditOffset == {layout.REMOTE_CREDIT_OFFSET});",
         f"static_assert(deep_ep::kRemoteSignatureOffset == {layout.REMOTE_SIGNATURE_OFFSET});",
         f"static_assert(deep_ep::kRemoteFaultOffset == {layout.REMOTE_FAULT_OFFSET});",
@@ -99,7 +100,8 @@ def _assertions(offset_delta: int = 0) -> str:
                     "host error (a rank raised inside an operation or rejected its input)": "kPhaseHostError",
                     "transport deadline (the emulated NIC or a flush of the puts passed it)": "kPhaseNic",
                     "forwarder's counts (hybrid mode: a source's counts for our node)": "kPhaseForwardCounts",
-                    "forwarder's arrivals (hybrid mode: a source's records for our node)": "kPhaseForwardArrival"}[name]  # fmt: skip
+                    "forwarder's arrivals (hybrid mode: a source's records for our node)": "kPhaseForwardArrival",
+                    "AGRS arrivals (a peer's all-gather or reduce-scatter data)": "kPhaseAgrsArrival"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")
     return "\n".join(lines)
 

@@ -407,6 +407,11 @@ class EPBackend(abc.ABC):
         self.group = group
         self.config = config
 
+    def agrs(self) -> Any | None:
+        """What moves AGRS data for this backend (`deep_ep.agrs`: `begin_session`, `all_gather`,
+        `reduce_scatter`, `end_session`), or None: torch collectives over the group."""
+        return None
+
     @classmethod
     def is_supported(cls, group: dist.ProcessGroup) -> bool:
         """Whether this backend can serve `group`, from this rank (local answer, no communication);

@@ -1,5 +1,6 @@
-"""AGRS on CUDA virtual ranks of one GPU (issue 24): the same checks as on CPU, with kernels buffers
-(whose AGRS runs on torch collectives until the copy-engine path is built)."""
+"""AGRS on CUDA virtual ranks of one GPU (issue 24): the same checks as on CPU with kernels buffers, whose
+calls move the data with the copy engines into the peers' windows (deep_ep.backends.kernels.agrs); the
+gathered tensors are views of the window; a peer that never copies makes the device wait expire."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from agrs_checks import agrs_rank
 
-from deep_ep.loopback import LoopbackWorld
+import deep_ep
+from deep_ep.backends.kernels.agrs import NvlinkAgrs
+from deep_ep.loopback import LoopbackRankError, LoopbackWorld
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -19,3 +23,29 @@ def test_all_gather_and_reduce_scatter_on_virtual_ranks(num_ranks: int) -> None:
     seed = time.time_ns() % 1_000_000
     outcomes = LoopbackWorld(num_ranks).run(agrs_rank, seed, "kernels")
     assert num_ranks < 3 or sum(o["order_differs"] for o in outcomes) > 0, (seed, outcomes)
+    assert all(o["window_views"] for o in outcomes), outcomes
+
+
+def _silent_peer_rank(rank: int, group: dist.ProcessGroup) -> str:
+    buffer = deep_ep.ElasticBuffer(group, 4 << 20, backend="kernels", num_gpu_timeout_secs=2, explicitly_destroy=True)
+    engine = buffer.backend.agrs()
+    assert isinstance(engine, NvlinkAgrs)
+    stream = torch.cuda.current_stream()
+    outcome = "no error"
+    if rank == 0:  # the engine alone (no agreement first): rank 1 never copies nor sets its flag
+        engine.all_gather(torch.ones(1024, device="cuda"), 0, stream)
+        try:
+            buffer.backend.runtime.wait(stream, "the all-gather")
+        except deep_ep.EPTimeoutError as error:
+            outcome = str(error)
+    dist.barrier(group=group)
+    buffer.destroy()
+    return outcome
+
+
+def test_a_peer_that_never_copies_makes_the_device_wait_expire() -> None:
+    try:
+        outcomes = LoopbackWorld(2).run(_silent_peer_rank)
+    except LoopbackRankError as error:  # pragma: no cover - the message says which rank failed how
+        raise AssertionError(str(error)) from error
+    assert "AGRS arrivals" in outcomes[0] and "waiting for rank 1" in outcomes[0], outcomes

@@ -19,6 +19,7 @@ from deep_ep.backends.base import (
 )
 from deep_ep.event import current_stream
 
+from .agrs import NvlinkAgrs
 from .combine import run_combine
 from .dispatch import run_dispatch
 from .layout import MAX_LOCAL_EXPERTS
@@ -66,6 +67,7 @@ class NvlinkBackend(EPBackend):
                                      allow_multiple_reduction=config.allow_multiple_reduction,
                                      ring_entries_per_warp=None if world is None else world.nic.ring_entries_per_warp,
                                      num_hybrid_nodes=hybrid_nodes(config))  # fmt: skip
+        self._agrs: NvlinkAgrs | None = None
 
     @classmethod
     def is_supported(cls, group: dist.ProcessGroup) -> bool:
@@ -181,6 +183,15 @@ class NvlinkBackend(EPBackend):
             num_qps=request.num_qps,
         )
         return CombineResult(combined_x, combined_w)
+
+    def agrs(self) -> NvlinkAgrs | None:
+        """AGRS over the window when every peer is reached by stores; across scale-up domains, None
+        (torch collectives: the copy engines reach only this domain's windows)."""
+        if self.runtime.scaleout is not None:
+            return None
+        if self._agrs is None:
+            self._agrs = NvlinkAgrs(self.runtime)
+        return self._agrs
 
     def barrier(self) -> None:
         stream = torch.cuda.current_stream()

@@ -39,6 +39,8 @@ SCALEOUT_RING_BYTES_OFFSET = SCALEOUT_REGION_OFFSET + 8
 NUM_SCALEUP_RANKS_OFFSET = SCALEOUT_RING_BYTES_OFFSET + 8
 FAULT_FORWARDED_OFFSET = NUM_SCALEUP_RANKS_OFFSET + 4
 STAGING_ENTRIES_CAP_OFFSET = FAULT_FORWARDED_OFFSET + 4  # int32: a combine ring's entries per warp at most (0: all)
+# AGRS sessions (agrs.cuh): per source rank, the number of its last call whose data it copied to us (int32)
+AGRS_FLAG_OFFSET = -(-(STAGING_ENTRIES_CAP_OFFSET + 4) // 16) * 16
 RECV_EXPERT_COUNT_OFFSET = 128 * 1024
 ARRIVAL_OFFSET = 384 * 1024
 MAX_ARRIVAL_BLOCKS = 512  # arrival counters per source rank
@@ -87,6 +89,7 @@ PHASES = {
     11: "transport deadline (the emulated NIC or a flush of the puts passed it)",
     12: "forwarder's counts (hybrid mode: a source's counts for our node)",
     13: "forwarder's arrivals (hybrid mode: a source's records for our node)",
+    14: "AGRS arrivals (a peer's all-gather or reduce-scatter data)",
 }
 HOST_ERROR_PHASE = 10
 

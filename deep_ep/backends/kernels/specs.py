@@ -242,6 +242,22 @@ class TransportPingArgs(ctypes.Structure):
     ]
 
 
+class AgrsArgs(ctypes.Structure):
+    """Mirror of `deep_ep::AgrsArgs` (agrs.cuh), passed by value."""
+
+    _fields_ = [
+        ("window", ctypes.c_uint64),
+        ("error_block", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("rows", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("num_elements", ctypes.c_int64),
+        ("sequence", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("num_ranks", ctypes.c_int),
+    ]
+
+
 # Spec builders are memoized: building a KernelSpec resolves include paths on disk, which would
 # otherwise be paid by every kernel of every dispatch and combine.
 def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = False) -> KernelSpec:
@@ -342,6 +358,18 @@ def transport_ping_spec(transport: str = "lsa") -> KernelSpec:
                            transport)  # fmt: skip
 
 
+# AGRS calls (agrs.cuh): threads per CTA (at least one per rank: each waits for one peer's flag)
+AGRS_THREADS = 256
+AGRS_ELEMENTS = {None: "void", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+@functools.cache
+def agrs_spec(element: str | None) -> KernelSpec:
+    """An AGRS call's kernel (agrs.cuh): the flags and the wait of an all-gather (`element` None), or
+    also a reduce-scatter's sum of `element` rows (`'bfloat16'` or `'float32'`)."""
+    return _spec("agrs", (AGRS_ELEMENTS[element], AGRS_THREADS), ("deep_ep::AgrsArgs",))
+
+
 @functools.cache
 def nccl_peer_pointers_spec() -> KernelSpec:
     """The only kernel built against NCCL's headers: an NCCL window's LSA peer pointers."""
@@ -382,6 +410,7 @@ def warmup_specs(num_ranks: int = 2, hiddens: tuple[int, ...] = (2048, 7168), nu
     """The probes and every specialisation of one MoE shape per hidden size (BF16 and both FP8 scale
     packs). The defaults are the 2-rank shapes of the GPU tests and the benchmark."""
     specs = [peer_store_spec(), nccl_peer_pointers_spec(), post_fault_spec(), transport_ping_spec("lsa")]
+    specs += [agrs_spec(element) for element in AGRS_ELEMENTS]
     for hidden in hiddens:
         fp8 = (-(-hidden // 128) * 4, -(-hidden // 512) * 4)
         specs += moe_specs(num_ranks, hidden, num_topk, num_experts, fp8)

@@ -69,6 +69,8 @@ enum Phase : int {
     // Hybrid mode's forwarder (forward.cuh) waiting for what a source of another node sent it
     kPhaseForwardCounts = 12,
     kPhaseForwardArrival = 13,
+    // An AGRS call (kernels/agrs.cuh) waiting for a peer's data
+    kPhaseAgrsArrival = 14,
 };
 
 // The status word: 0 while healthy; else the phase (bits 0-7), the rank whose wait expired + 1

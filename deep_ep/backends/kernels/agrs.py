@@ -1,0 +1,118 @@
+"""AGRS sessions inside one NVLink domain on the kernels backend (agrs.cuh, docs/semantics.md).
+
+A session's calls take consecutive blocks of the window's data region (the session's bytes, as
+`deep_ep.agrs` counts them). A call copies this rank's data with the copy engines straight into
+every peer's window, at the place that peer's block keeps for this rank: all of it for an
+all-gather, row `p` to rank `p` for a reduce-scatter. Then one small kernel on the same stream
+tells each peer that the copies are complete (a flag per source in the workspace, set to the
+call's number) and waits, with the device deadline, for every peer's flag: an all-gather's output
+is then the block itself, a view of the window; a reduce-scatter's kernel then sums the rows it
+received. So an all-gather uses no SM to move data, and a reduce-scatter only for its sum.
+
+A session begins and ends with a barrier on the stream, across the ranks: before it no peer
+writes into a window whose dispatch or combine may still be read, after it no dispatch writes into
+a block a peer still reads. Gathered views are valid until the session ends (as DeepEP V2's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from deep_ep.jit import Opaque
+from deep_ep.records import WORKSPACE_BYTES
+
+from . import specs
+from .runtime import NvlinkRuntime, data_ptr
+
+# CTAs of a reduce-scatter's sum: enough to read the rows at a good fraction of HBM's rate
+MAX_REDUCE_CTAS = 16
+ELEMENT_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+class NvlinkAgrs:
+    """The AGRS calls of one buffer whose peers are all reached by stores (no scale-out region)."""
+
+    def __init__(self, runtime: NvlinkRuntime) -> None:
+        self.runtime = runtime
+        self._sequence = 0  # the calls so far; every rank counts the same (the calls agree first)
+
+    @property
+    def num_region_bytes(self) -> int:
+        """What a session may hold: the window's data region."""
+        return self.runtime.data_bytes - WORKSPACE_BYTES
+
+    def begin_session(self, stream: torch.cuda.Stream) -> None:
+        """Queue the barrier that opens a session on `stream` (collective)."""
+        self.runtime.barrier(stream)
+
+    def end_session(self, stream: torch.cuda.Stream) -> None:
+        """Queue the barrier that closes a session on `stream` (collective)."""
+        self.runtime.barrier(stream)
+
+    def all_gather(self, x: torch.Tensor, offset: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        """Gather every rank's `x` into the session's block at `offset`; returns the block as
+        `[num_ranks, *x.shape]` of `x.dtype`, a view of this rank's window."""
+        runtime = self.runtime
+        num_bytes = x.numel() * x.element_size()
+        block = self._block(offset, runtime.num_ranks * num_bytes, "all_gather")
+        self._copy_to_peers(stream, lambda peer: (block + runtime.rank * num_bytes, data_ptr(x), num_bytes))
+        self._launch(stream, None, 1, 0, 0, 0)
+        gathered = runtime.windows.bytes[block : block + runtime.num_ranks * num_bytes]
+        return gathered.view(x.dtype).view(runtime.num_ranks, *x.shape)
+
+    def reduce_scatter(self, x: torch.Tensor, offset: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        """Send row `p` of `x` (`[num_ranks, *S]`) to rank `p` into the session's block at `offset`
+        and sum the rows the ranks sent us; returns `[*S]` of `x.dtype` (a new tensor)."""
+        runtime = self.runtime
+        num_elements = x[0].numel()
+        row_bytes = num_elements * x.element_size()
+        block = self._block(offset, runtime.num_ranks * row_bytes, "reduce_scatter")
+        self._copy_to_peers(stream, lambda peer: (block + runtime.rank * row_bytes, data_ptr(x) + peer * row_bytes,
+                                                  row_bytes))  # fmt: skip
+        out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+        num_ctas = max(1, min(MAX_REDUCE_CTAS, -(-num_elements // specs.AGRS_THREADS)))
+        self._launch(stream, ELEMENT_NAMES[x.dtype], num_ctas, data_ptr(runtime.windows.bytes) + block,
+                     data_ptr(out), num_elements)  # fmt: skip
+        return out
+
+    # ---------------------------------------------------------------- the steps of a call
+
+    def _block(self, offset: int, num_bytes: int, op: str) -> int:
+        """The window offset of a call's block, or `ValueError` when the data region cannot hold it."""
+        if offset + num_bytes > self.num_region_bytes:
+            raise ValueError(
+                f"{op}: the session's data would end at {offset + num_bytes} bytes and the buffer's window holds "
+                f"{self.num_region_bytes} for sessions (its num_bytes less the {WORKSPACE_BYTES}-byte workspace); "
+                "size the buffer with get_agrs_buffer_size_hint"
+            )
+        return WORKSPACE_BYTES + offset
+
+    def _copy_to_peers(self, stream: torch.cuda.Stream, part: Callable[[int], tuple[int, int, int]]) -> None:
+        """Copy, with the copy engines, `part(peer)` = (offset in the peer's window, source address,
+        bytes) to every rank, ourselves included, on `stream`."""
+        from cuda.bindings import driver as cuda
+
+        from deep_ep.jit import driver as jit_driver
+
+        runtime = self.runtime
+        handle = cuda.CUstream(stream.cuda_stream)
+        with jit_driver.current_context(runtime.windows.bytes.device.index):
+            for peer, base in enumerate(runtime.windows.peer_ptrs):
+                dst_offset, src, num_bytes = part(peer)
+                jit_driver.check(cuda.cuMemcpyAsync(base + dst_offset, src, num_bytes, handle), "cuMemcpyAsync")
+
+    def _launch(self, stream: torch.cuda.Stream, element: str | None, num_ctas: int, rows: int, out: int,
+                num_elements: int) -> None:  # fmt: skip
+        runtime = self.runtime
+        runtime.check_error()
+        (kernel,) = runtime.share.load([specs.agrs_spec(element)])
+        # The flags are int32 words compared as differences (arrivals.cuh), so the number may wrap
+        self._sequence = (self._sequence + 1 + 2**31) % 2**32 - 2**31
+        args = specs.AgrsArgs(window=runtime.windows.ptr, error_block=data_ptr(runtime.error_block),
+                              timeout_ns=runtime.timeout_ns, rows=rows, out=out, num_elements=num_elements,
+                              sequence=self._sequence, rank=runtime.rank,
+                              num_ranks=runtime.num_ranks)  # fmt: skip
+        kernel.launch(grid=(num_ctas,), block=(specs.AGRS_THREADS,), stream=stream,
+                                      args=(Opaque(bytes(args)),))  # fmt: skip

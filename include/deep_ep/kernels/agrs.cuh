@@ -1,0 +1,84 @@
+#pragma once
+
+// The device half of an AGRS call inside one NVLink domain (deep_ep/backends/kernels/agrs.py). The
+// host has queued, on the same stream before this kernel, copy-engine copies of this rank's data
+// into every peer's window; the kernel starts once they are complete. CTA 0 then tells each peer so
+// (a release store of the call's number into the peer's flag for us), and every CTA waits, with a
+// deadline, until each peer's flag for us has reached the call's number: the peers' copies into
+// our window are complete. An all-gather (`Element` void) ends there: its output is the window's
+// block. A reduce-scatter then sums, for each element, the row every rank sent us, in FP32 from
+// +0.0 in ascending rank order, and rounds once (the reference's order: the same bits).
+
+#include <cstdint>
+#include <type_traits>
+
+#include <deep_ep/common/arrivals.cuh>
+#include <deep_ep/common/bf16.cuh>
+#include <deep_ep/common/fault.cuh>
+#include <deep_ep/common/layout.cuh>
+#include <deep_ep/common/ptx.cuh>
+
+namespace deep_ep {
+
+struct AgrsArgs {
+    char* window;  // this rank's window
+    int64_t* error_block;
+    uint64_t timeout_ns;
+    const void* rows;      // reduce-scatter: [num_ranks][num_elements] in this window, row s from rank s
+    void* out;             // reduce-scatter: [num_elements]
+    int64_t num_elements;  // reduce-scatter: elements of one row
+    int sequence;          // the call's number: every peer's flag for us reaches it
+    int rank;
+    int num_ranks;
+};
+
+__device__ __forceinline__ float agrs_to_float(float value) {
+    return value;
+}
+__device__ __forceinline__ float agrs_to_float(__nv_bfloat16 value) {
+    return __bfloat162float(value);
+}
+__device__ __forceinline__ void agrs_store(float* out, float value) {
+    *out = value;
+}
+__device__ __forceinline__ void agrs_store(__nv_bfloat16* out, float value) {
+    *out = __float2bfloat16_rn(value);
+}
+
+template <typename Element, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) agrs_impl(AgrsArgs args) {
+    const FaultSink fault = make_fault_sink(args.window, args.error_block);
+    int* const flags = reinterpret_cast<int*>(args.window + kAgrsFlagOffset);
+    const int peer = static_cast<int>(threadIdx.x);
+    if (blockIdx.x == 0 and peer < args.num_ranks and peer != args.rank) {
+        // Our copies to every peer are complete (stream order): one system fence, then the flags
+        void* const* peer_windows = reinterpret_cast<void* const*>(args.window + kPeerWindowsOffset);
+        fence_acq_rel_sys();
+        st_release_sys(reinterpret_cast<int*>(static_cast<char*>(peer_windows[peer]) + kAgrsFlagOffset) + args.rank,
+                       args.sequence);
+    }
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    if (peer < args.num_ranks and peer != args.rank and
+        not wait_counter(flags + peer, args.sequence, fault, kPhaseAgrsArrival, args.rank, peer, blockIdx.x,
+                         args.timeout_ns))
+        failed = 1;
+    // The acquires above and the barrier make every peer's copies visible to the whole CTA
+    __syncthreads();
+    if constexpr (not std::is_void_v<Element>) {
+        if (failed) return;
+        const Element* rows = static_cast<const Element*>(args.rows);
+        Element* out = static_cast<Element*>(args.out);
+        const int64_t stride = static_cast<int64_t>(gridDim.x) * kNumThreads;
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x; i < args.num_elements;
+             i += stride) {
+            float sum = 0.0f;
+            // Another kernel of this rank may have read this window before (L1): read through L2
+            for (int s = 0; s < args.num_ranks; ++s) sum += agrs_to_float(__ldcg(rows + s * args.num_elements + i));
+            agrs_store(out + i, sum);
+        }
+    }
+}
+
+}  // namespace deep_ep
