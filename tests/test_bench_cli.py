@@ -447,3 +447,20 @@ def test_a_breakdown_on_virtual_ranks_is_refused_before_anything_compiles():
         from deep_ep.bench import runner
 
         runner.check_config(config)
+
+
+def test_bench_op_agrs_checks_then_times_both_paths_and_writes_json(tmp_path):
+    json_path = tmp_path / "agrs.json"
+    result = _bench(tmp_path, "--op", "agrs", "--ranks", "2", "--iters", "1", "--seed", "7", "--json", str(json_path))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(json_path.read_text())
+    assert {"commit", "command", "hardware", "date", "seed", "rows", "per_rank"} <= set(document)
+    # Per size (4 KiB and 64 KiB on CPU ranks), both operations; the CPU path is torch collectives (no CTAs)
+    assert [(r["op"], r["bytes_per_rank"]) for r in document["rows"]] == [
+        ("all_gather", 4096), ("reduce_scatter", 4096), ("all_gather", 65536), ("reduce_scatter", 65536)]  # fmt: skip
+    for row in document["rows"]:
+        assert row["ours_us"] > 0 and row["torch_us"] > 0 and row["ours_ctas"] is None, row
+        assert row["ours_over_torch"] == pytest.approx(row["ours_us"] / row["torch_us"])
+    assert "reduce_scatter" in result.stdout and "ours/torch" in result.stdout
+    refused = _bench(tmp_path, "--op", "agrs", "--tokens", "128")
+    assert refused.returncode != 0 and "`--op agrs` times AGRS calls of fixed sizes; drop --tokens" in refused.stderr
