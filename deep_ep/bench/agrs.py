@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..backends.kernels.agrs import reduce_ctas
 from . import report
 
 # Bytes of one rank's tensor (all-gather input, reduce-scatter output)
@@ -99,18 +100,11 @@ def _size_rows(buffer: Any, group: dist.ProcessGroup, rank: int, size: int, gen:
     for op, ours, theirs in (("all_gather", gather_ours, gather_torch), ("reduce_scatter", reduce_ours, reduce_torch)):
         ours()  # warm-up (kernels loaded, allocations made)
         theirs()
-        ctas = None if engine is None else 1 if op == "all_gather" else _reduce_ctas(num_elements)
+        ctas = None if engine is None else 1 if op == "all_gather" else reduce_ctas(num_elements)
         rows.append(dict(op=op, bytes_per_rank=size, ours_us=_timed(ours, device, num_iters),
                          torch_us=_timed(theirs, device, num_iters), ours_ctas=ctas,
                          path="copy engines + window" if engine is not None else "torch collectives"))  # fmt: skip
     return rows
-
-
-def _reduce_ctas(num_elements: int) -> int:
-    from ..backends.kernels.agrs import MAX_REDUCE_CTAS
-    from ..backends.kernels.specs import AGRS_THREADS
-
-    return max(1, min(MAX_REDUCE_CTAS, -(-num_elements // AGRS_THREADS)))
 
 
 def summarize(per_rank: list[list[dict]]) -> list[dict]:

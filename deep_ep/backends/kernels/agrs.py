@@ -31,6 +31,12 @@ MAX_REDUCE_CTAS = 16
 ELEMENT_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
+def reduce_ctas(num_elements: int) -> int:
+    """CTAs of a reduce-scatter's sum of rows of `num_elements`: a thread per element (or per 16-byte
+    vector of them), at most `MAX_REDUCE_CTAS`."""
+    return max(1, min(MAX_REDUCE_CTAS, -(-num_elements // specs.AGRS_THREADS)))
+
+
 class NvlinkAgrs:
     """The AGRS calls of one buffer whose peers are all reached by stores (no scale-out region)."""
 
@@ -72,7 +78,7 @@ class NvlinkAgrs:
         self._copy_to_peers(stream, lambda peer: (block + runtime.rank * row_bytes, data_ptr(x) + peer * row_bytes,
                                                   row_bytes))  # fmt: skip
         out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-        num_ctas = max(1, min(MAX_REDUCE_CTAS, -(-num_elements // specs.AGRS_THREADS)))
+        num_ctas = reduce_ctas(num_elements)
         self._launch(stream, ELEMENT_NAMES[x.dtype], num_ctas, data_ptr(runtime.windows.bytes) + block,
                      data_ptr(out), num_elements)  # fmt: skip
         return out

@@ -71,12 +71,31 @@ __global__ void __launch_bounds__(kNumThreads, 1) agrs_impl(AgrsArgs args) {
         const Element* rows = static_cast<const Element*>(args.rows);
         Element* out = static_cast<Element*>(args.out);
         const int64_t stride = static_cast<int64_t>(gridDim.x) * kNumThreads;
-        for (int64_t i = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x; i < args.num_elements;
-             i += stride) {
-            float sum = 0.0f;
-            // Another kernel of this rank may have read this window before (L1): read through L2
-            for (int s = 0; s < args.num_ranks; ++s) sum += agrs_to_float(__ldcg(rows + s * args.num_elements + i));
-            agrs_store(out + i, sum);
+        const int64_t first = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x;
+        constexpr int kPerVector = 16 / sizeof(Element);
+        if (args.num_elements % kPerVector == 0) {
+            // Rows of whole 16-byte vectors (the block and `out` are 16-byte aligned): one vector a thread
+            for (int64_t v = first; v < args.num_elements / kPerVector; v += stride) {
+                float sum[kPerVector] = {};
+                for (int s = 0; s < args.num_ranks; ++s) {
+                    // Another kernel of this rank may have read this window before (L1): read through L2
+                    const int4 raw = __ldcg(reinterpret_cast<const int4*>(rows + s * args.num_elements) + v);
+                    const Element* values = reinterpret_cast<const Element*>(&raw);
+#pragma unroll
+                    for (int j = 0; j < kPerVector; ++j) sum[j] += agrs_to_float(values[j]);
+                }
+                int4 packed;
+                Element* rounded = reinterpret_cast<Element*>(&packed);
+#pragma unroll
+                for (int j = 0; j < kPerVector; ++j) agrs_store(rounded + j, sum[j]);
+                reinterpret_cast<int4*>(out)[v] = packed;
+            }
+        } else {
+            for (int64_t i = first; i < args.num_elements; i += stride) {
+                float sum = 0.0f;
+                for (int s = 0; s < args.num_ranks; ++s) sum += agrs_to_float(__ldcg(rows + s * args.num_elements + i));
+                agrs_store(out + i, sum);
+            }
         }
     }
 }
