@@ -4,6 +4,7 @@ by brute force, single and batched calls, in-place tensors, the session's accoun
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -57,17 +58,18 @@ def agrs_rank(rank: int, group: dist.ProcessGroup, seed: int, backend: str) -> d
         gathered, _ = buffer.all_gather(inplace)
         assert_bitwise(gathered[rank], inplace, "all_gather of an in-place tensor")
     with buffer.agrs_new_session():
-        for dtype in (torch.bfloat16, torch.float32):
-            contributions = _random((num_ranks, 6, 40), dtype, gen).to(device)
+        # Rows of whole 16-byte vectors, and rows that end inside one (the kernels' two loops)
+        for dtype, shape in itertools.product((torch.bfloat16, torch.float32), ((6, 40), (3, 5))):
+            contributions = _random((num_ranks, *shape), dtype, gen).to(device)
             before = contributions.clone()
             reduced, wait = buffer.reduce_scatter(contributions)
             wait()
             everyone = gather_to_all(contributions, group)
-            acc, backwards = torch.zeros((6, 40)), torch.zeros((6, 40))
+            acc, backwards = torch.zeros(shape), torch.zeros(shape)
             for source in range(num_ranks):
                 acc = acc + everyone[source][rank].float()
                 backwards = backwards + everyone[num_ranks - 1 - source][rank].float()
-            assert_bitwise(reduced, acc.to(dtype), f"reduce_scatter of {dtype}")
+            assert_bitwise(reduced, acc.to(dtype), f"reduce_scatter of {dtype} {shape}")
             assert_bitwise(contributions, before, "reduce_scatter's input (it was modified)")
             out["order_differs"] += int((acc.to(dtype) != backwards.to(dtype)).sum())
     out["sizes"] = (buffer.get_agrs_num_max_session_bytes(group, (5, 24), torch.bfloat16), num_bytes)
