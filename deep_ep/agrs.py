@@ -202,6 +202,15 @@ class AgrsMixin:
         """
         return self._gather_or_reduce("reduce_scatter", t)
 
+    def _check_window_free(self, op: str) -> None:
+        """Raise `ValueError` while an open session's data is in the buffer's window (the kernels
+        backend's path): a dispatch or combine would write over it, and peers' calls into ours."""
+        if self._agrs.engine_open:
+            raise ValueError(
+                f"{op}: needs the buffer's window, which holds the open AGRS session's data; end the session first "
+                "(destroy_agrs_session, or leave agrs_new_session)"
+            )
+
     # -------------------------------------------------------------------------------- the collectives
 
     def _gather_or_reduce(self, op: str, t: torch.Tensor | Sequence[torch.Tensor]) -> tuple[Any, ...]:

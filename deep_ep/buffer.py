@@ -722,6 +722,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         backend = self._live_backend("dispatch")
 
         def check() -> tuple[DispatchRequest, bool]:
+            self._check_window_free("dispatch")
             request = validate_dispatch(
                 self._ctx,
                 self.get_theoretical_num_sms,
@@ -847,6 +848,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         backend = self._live_backend("combine")
 
         def check() -> CombineRequest:
+            self._check_window_free("combine")
             self._check_handle_mask("combine", handle)
             return validate_combine(
                 self._ctx,

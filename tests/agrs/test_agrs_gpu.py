@@ -49,3 +49,24 @@ def test_a_peer_that_never_copies_makes_the_device_wait_expire() -> None:
     except LoopbackRankError as error:  # pragma: no cover - the message says which rank failed how
         raise AssertionError(str(error)) from error
     assert "AGRS arrivals" in outcomes[0] and "waiting for rank 1" in outcomes[0], outcomes
+
+
+def _dispatch_in_session_rank(rank: int, group: dist.ProcessGroup) -> str:
+    buffer = deep_ep.ElasticBuffer(group, 4 << 20, backend="kernels", explicitly_destroy=True)
+    buffer.create_agrs_session()
+    buffer.all_gather(torch.full((64,), float(rank), device="cuda"))
+    try:
+        buffer.dispatch(torch.zeros((1, 256), dtype=torch.bfloat16, device="cuda"),
+                        topk_idx=torch.zeros((1, 1), dtype=torch.int64, device="cuda"), num_experts=2)  # fmt: skip
+    except ValueError as error:
+        outcome = str(error)
+    else:
+        outcome = "dispatched"
+    # The rejection stopped the buffer on every rank (as any rejected dispatch input does on the kernels backend)
+    buffer.destroy()
+    return outcome
+
+
+def test_a_dispatch_inside_a_session_with_data_in_the_window_is_refused() -> None:
+    outcomes = LoopbackWorld(2).run(_dispatch_in_session_rank)
+    assert all("holds the open AGRS session's data" in o for o in outcomes), outcomes
