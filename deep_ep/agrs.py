@@ -18,6 +18,7 @@ ordinary tensors). An in-place tensor is an ordinary tensor that `all_gather` re
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep.errors import EPPeerError, EPTimeoutError
-from deep_ep.host_reads import host_list, wait_for_work
+from deep_ep.host_reads import host_list, wait_for_stream, wait_for_work
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES, WORKSPACE_BYTES
 from deep_ep.utils.math import align
 
@@ -184,7 +185,8 @@ class AgrsMixin:
         Returns:
             `(gathered, wait)` for one tensor, `(*gathered, wait)` for a sequence: `gathered` is
             `[num_ranks, *S]`, rank `r`'s tensor at index `r`, bit for bit; `wait()` returns once the
-            data is there (at once here: the collective is ordered on the current stream).
+            data is there (the host polls, with its deadline; the data is also ordered on the
+            current stream).
         """
         return self._gather_or_reduce("all_gather", t)
 
@@ -239,6 +241,7 @@ class AgrsMixin:
                     self._agrs.engine_open = True
                 call = engine.all_gather if op == "all_gather" else engine.reduce_scatter
                 results = [call(x, offset, stream) for x, offset in zip(tensors, offsets, strict=True)]
+                return (*results, functools.partial(engine.wait, stream, f"{op}'s data"))
         return (*results, _completed)
 
     def _checked_tensors(self, op: str, t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -310,6 +313,10 @@ def agree_on_call(buffer: Any, op: str, what: str, timeout_s: float, error: Base
     `what`, and that none rejected its arguments (`error`: it raises its own, the others
     `EPPeerError`); one all-gather with the host deadline `timeout_s`."""
     code = zlib.crc32(what.encode()) if error is None else -1
+    if buffer.device.type == "cuda":
+        # Copying the row to the device waits in the driver for the stream, which may hold an earlier
+        # call's wait for the peers: drain it by polling first (deep_ep.host_reads, virtual ranks)
+        wait_for_stream()
     row = torch.tensor([zlib.crc32(op.encode()), code], dtype=torch.int64, device=buffer.device)
     rows = [torch.empty_like(row) for _ in range(buffer.num_ranks)]
     wait_collective(

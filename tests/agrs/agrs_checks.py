@@ -55,7 +55,8 @@ def agrs_rank(rank: int, group: dist.ProcessGroup, seed: int, backend: str) -> d
                 assert_bitwise(gathered, expected, f"all_gather of {dtype}, tensor {index}")
         inplace = buffer.agrs_get_inplace_tensor((4, 8), torch.bfloat16)
         inplace.copy_(_random((4, 8), torch.bfloat16, gen).to(device))
-        gathered, _ = buffer.all_gather(inplace)
+        gathered, wait = buffer.all_gather(inplace)
+        wait()  # before a host read (virtual ranks: the read would hold back a peer's launch)
         assert_bitwise(gathered[rank], inplace, "all_gather of an in-place tensor")
     with buffer.agrs_new_session():
         # Rows of whole 16-byte vectors, and rows that end inside one (the kernels' two loops)

@@ -54,7 +54,7 @@ def test_a_peer_that_never_copies_makes_the_device_wait_expire() -> None:
 def _dispatch_in_session_rank(rank: int, group: dist.ProcessGroup) -> str:
     buffer = deep_ep.ElasticBuffer(group, 4 << 20, backend="kernels", explicitly_destroy=True)
     buffer.create_agrs_session()
-    buffer.all_gather(torch.full((64,), float(rank), device="cuda"))
+    buffer.all_gather(torch.full((64,), float(rank), device="cuda"))[1]()
     try:
         buffer.dispatch(torch.zeros((1, 256), dtype=torch.bfloat16, device="cuda"),
                         topk_idx=torch.zeros((1, 1), dtype=torch.int64, device="cuda"), num_experts=2)  # fmt: skip

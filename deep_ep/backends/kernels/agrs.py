@@ -11,7 +11,9 @@ received. So an all-gather uses no SM to move data, and a reduce-scatter only fo
 
 A session begins and ends with a barrier on the stream, across the ranks: before it no peer
 writes into a window whose dispatch or combine may still be read, after it no dispatch writes into
-a block a peer still reads. Gathered views are valid until the session ends (as DeepEP V2's).
+a block a peer still reads. Gathered views are valid until the session ends (as DeepEP V2's). A
+call returns once its work is queued; its `wait()` polls until the data is there (with the host
+deadline, raising what the device recorded), and the session's end waits for its barrier.
 """
 
 from __future__ import annotations
@@ -54,8 +56,15 @@ class NvlinkAgrs:
         self.runtime.barrier(stream)
 
     def end_session(self, stream: torch.cuda.Stream) -> None:
-        """Queue the barrier that closes a session on `stream` (collective)."""
+        """Close a session on `stream` (collective): its barrier, waited for on the host."""
         self.runtime.barrier(stream)
+        self.wait(stream, "destroy_agrs_session's barrier")
+
+    def wait(self, stream: torch.cuda.Stream, what: str) -> None:
+        """Wait on the host, by polling and with the host deadline, until the work queued on `stream`
+        has run; raise what a device wait recorded (`EPTimeoutError` naming the peer). A poll never
+        blocks inside the driver, so a virtual rank waiting here never holds back a peer's launch."""
+        self.runtime.wait(stream, what)
 
     def all_gather(self, x: torch.Tensor, offset: int, stream: torch.cuda.Stream) -> torch.Tensor:
         """Gather every rank's `x` into the session's block at `offset`; returns the block as
