@@ -223,9 +223,17 @@ def test_detect_hardware_keeps_the_calibrated_rates():
 # ------------------------------------------------------------------------------------------ the users
 
 
-def test_buffer_size_hint_is_the_window_layout_and_hybrid_adds_domain_slots():
+def test_buffer_size_hint_is_the_window_layout_and_hybrid_adds_its_forward_records_and_partials():
     from deep_ep.backends.kernels.backend import NvlinkBackend
-    from deep_ep.records import WORKSPACE_BYTES, buffer_region_bytes, hybrid_combine_region_bytes, window_bytes
+    from deep_ep.records import (
+        WORKSPACE_BYTES,
+        buffer_record_bytes,
+        buffer_region_bytes,
+        dispatch_region_bytes,
+        forward_region_bytes,
+        hybrid_combine_region_bytes,
+        window_bytes,
+    )
 
     class Group:
         def size(self) -> int:
@@ -239,9 +247,17 @@ def test_buffer_size_hint_is_the_window_layout_and_hybrid_adds_domain_slots():
     across = planner.buffer_size_hint(64, 4096, 7168, 8, True, True, True, num_ranks_per_domain=8)
     # FP8 records, so hybrid mode's combine (64 ranks' holder slots and 8 node partials) is the larger
     combine = hybrid_combine_region_bytes(64, 8, 4096, 7168, 8)
-    assert combine > buffer_region_bytes(64 + 8, 4096, 7168, 8, True, True)
+    record = buffer_record_bytes(7168, 8, True)
+    assert combine > dispatch_region_bytes(64, 4096, record) + forward_region_bytes(8, 8, 4096, record)
     assert across == window_bytes(combine)
     assert planner.buffer_size_hint(64, 4096, 7168, 8, True, False, True, num_ranks_per_domain=8) < across
+    # BF16 records and top-2 on 2 nodes of 4: the records and the other node's forward records are the larger
+    bf16 = buffer_record_bytes(7168, 2, False)
+    dispatch = dispatch_region_bytes(8, 4096, bf16) + forward_region_bytes(2, 4, 4096, bf16)
+    assert dispatch > hybrid_combine_region_bytes(8, 2, 4096, 7168, 2)
+    assert planner.buffer_size_hint(8, 4096, 7168, 2, False, True, True, num_ranks_per_domain=4) == window_bytes(
+        dispatch
+    )
 
 
 def test_elastic_buffer_asks_the_planner_once_per_shape(group, monkeypatch):
