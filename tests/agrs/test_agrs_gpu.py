@@ -32,6 +32,7 @@ def _silent_peer_rank(rank: int, group: dist.ProcessGroup) -> str:
     assert isinstance(engine, NvlinkAgrs)
     stream = torch.cuda.current_stream()
     outcome = "no error"
+    engine.begin_session(stream)
     if rank == 0:  # the engine alone (no agreement first): rank 1 never copies nor sets its flag
         engine.all_gather(torch.ones(1024, device="cuda"), 0, stream)
         try:

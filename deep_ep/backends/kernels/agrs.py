@@ -52,7 +52,9 @@ class NvlinkAgrs:
         return self.runtime.data_bytes - WORKSPACE_BYTES
 
     def begin_session(self, stream: torch.cuda.Stream) -> None:
-        """Queue the barrier that opens a session on `stream` (collective)."""
+        """Queue the barrier that opens a session on `stream` (collective). Loads the calls' kernels
+        first, where every rank is and none has queued a wait for a peer (virtual ranks load together)."""
+        self.runtime.share.load([specs.agrs_spec(element) for element in specs.AGRS_ELEMENTS])
         self.runtime.barrier(stream)
 
     def end_session(self, stream: torch.cuda.Stream) -> None:
