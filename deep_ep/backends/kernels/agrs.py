@@ -131,5 +131,4 @@ class NvlinkAgrs:
                               timeout_ns=runtime.timeout_ns, rows=rows, out=out, num_elements=num_elements,
                               sequence=self._sequence, rank=runtime.rank,
                               num_ranks=runtime.num_ranks)  # fmt: skip
-        kernel.launch(grid=(num_ctas,), block=(specs.AGRS_THREADS,), stream=stream,
-                                      args=(Opaque(bytes(args)),))  # fmt: skip
+        kernel.launch(grid=(num_ctas,), block=(specs.AGRS_THREADS,), stream=stream, args=(Opaque(bytes(args)),))
