@@ -24,7 +24,7 @@ from deep_ep.agrs import AgrsMixin, AgrsState
 from deep_ep.backends import registry
 from deep_ep.backends.base import BufferConfig, CombineRequest, DispatchRequest, EPBackend, loopback_world_of
 from deep_ep.domains import get_physical_domain_size, group_device, logical_domains
-from deep_ep.engram import EngramMixin
+from deep_ep.engram import EngramMixin, EngramTable
 from deep_ep.errors import EPError, EPTimeoutError
 from deep_ep.event import CommStreamScope, EventHandle, EventOverlap, shared_comm_stream
 from deep_ep.handle import BufferLifetime, BufferOrigin, EPHandle
@@ -311,7 +311,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         self._num_cpu_timeout_secs = num_cpu_timeout_secs
         self._agrs = AgrsState(num_max_session_bytes=num_bytes)
         self._pp = PpState()
-        self._engram: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._engram: EngramTable | None = None
         self._user = ""
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks

@@ -7,15 +7,19 @@ entries `[rank * num_entries, (rank + 1) * num_entries)`; `engram_fetch(indices)
 returns a hook that gives `(data, sf)`: `data[t * E + e]` = entry `indices[t, e]`, bit for bit, and
 `sf[t]` the entries' scales side by side.
 
-This implementation replicates the table at `engram_write` (one all-gather over the buffer's group,
-on every backend), so a fetch is a local gather: the CPU path and the oracle. The GIN get across
-nodes and the LSA loads inside one node are not built yet; V2's `num_qps` is accepted and unused.
+On the kernels backend inside one NVLink domain the table stays sharded: each rank's shard sits at the
+end of its window (`deep_ep.backends.kernels.engram`) and a fetch is one kernel of loads from the
+owners' windows (LSA), returned once queued on the current stream; the scales are replicated. Elsewhere
+`engram_write` replicates the table (one all-gather over the buffer's group) and a fetch is a local
+gather: the CPU path and the oracle. The GIN get across nodes is not built; V2's `num_qps` is
+accepted and unused.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,15 +35,31 @@ ENTRY_ALIGNMENT_BYTES = 32  # V2: `LDG.256`
 STORAGE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
+@dataclass
+class EngramTable:
+    """The table `engram_write` made: replicated here (`table`), or sharded in the windows (`engine`)."""
+
+    num_entries: int  # per rank
+    hidden: int
+    dtype: torch.dtype
+    scales: torch.Tensor | None
+    table: torch.Tensor | None = None
+    engine: Any = None
+
+
 class EngramMixin:
     """The Engram methods of `ElasticBuffer` (which provides `group`, `num_ranks`, `rank_idx`,
-    `device`, `_engram` and `_exclusive_call`, its guard of one call)."""
+    `device`, `backend`, `_comm_stream`, `_engram`, `_check_window_free` and `_exclusive_call`, its
+    guard of one call)."""
 
     group: dist.ProcessGroup
     num_ranks: int
     rank_idx: int
     device: torch.device
-    _engram: tuple[torch.Tensor, torch.Tensor | None] | None
+    backend: Any
+    _comm_stream: torch.cuda.Stream | None
+    _engram: EngramTable | None
+    _check_window_free: Callable[[str], None]
     _exclusive_call: Callable[[str], contextlib.AbstractContextManager[float]]
 
     @staticmethod
@@ -69,12 +89,25 @@ class EngramMixin:
                 error = rejected
             what = f"{getattr(storage, 'dtype', None)}{tuple(getattr(storage, 'shape', ()))}"
             what += "" if sf is None or error is not None else f" sf {sf.dtype}{tuple(sf.shape)}"
+            if error is None:
+                self._check_window_free(op)
             agree_on_call(self, op, what, timeout_s, error)
-            shards = [torch.empty_like(storage) for _ in range(self.num_ranks)]
-            work = dist.all_gather([s.view(torch.uint8) for s in shards], storage.view(torch.uint8),
-                                   group=self.group, async_op=True)  # fmt: skip
-            wait_collective(work, timeout_s, "engram_write's storage", self)
-            self._engram = (torch.cat(shards), None if sf is None else sf.clone())
+            written = EngramTable(storage.shape[0], storage.shape[1], storage.dtype, None if sf is None else sf.clone())
+            engine = self.backend.engram()
+            if engine is not None:
+                stream = torch.cuda.current_stream(self.device)
+                if self._comm_stream is not None:
+                    stream.wait_stream(self._comm_stream)  # no shard lands where a dispatch may still read
+                self._engram = None  # the old table is gone from here on, whatever happens
+                engine.write(storage, stream, op)
+                written.engine = engine
+            else:
+                shards = [torch.empty_like(storage) for _ in range(self.num_ranks)]
+                work = dist.all_gather([s.view(torch.uint8) for s in shards], storage.view(torch.uint8),
+                                       group=self.group, async_op=True)  # fmt: skip
+                wait_collective(work, timeout_s, "engram_write's storage", self)
+                written.table = torch.cat(shards)
+            self._engram = written
 
     def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0,
                      use_tma_aligned_col_major_sf: bool = False) -> Callable[[], tuple[torch.Tensor, Any]]:  # fmt: skip
@@ -95,7 +128,8 @@ class EngramMixin:
         with self._exclusive_call(op):
             if self._engram is None:
                 raise ValueError(f"{op}: needs a table, got none (call engram_write first)")
-            table, scales = self._engram
+            written = self._engram
+            num_table_entries = self.num_ranks * written.num_entries
             if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{op}: `indices` must be a torch.int32 or torch.int64 tensor, got {indices!r:.80}")
             if indices.dim() != 2 or indices.device != self.device:
@@ -106,12 +140,18 @@ class EngramMixin:
             flat = indices.reshape(-1).long()
             if flat.numel():
                 low, high = host_list(torch.stack([flat.min(), flat.max()]))
-                if low < 0 or high >= table.shape[0]:
+                if low < 0 or high >= num_table_entries:
                     raise ValueError(
-                        f"{op}: `indices` values must be in [0, {table.shape[0]}) (num_ranks x num_entries), got "
+                        f"{op}: `indices` values must be in [0, {num_table_entries}) (num_ranks x num_entries), got "
                         f"[{low}, {high}]"
                     )
-            data = table.index_select(0, flat)
+            if written.engine is not None:
+                data = torch.empty((flat.numel(), written.hidden), dtype=written.dtype, device=self.device)
+                flat_indices = indices.reshape(-1) if indices.is_contiguous() else indices.contiguous().reshape(-1)
+                written.engine.fetch(flat_indices, data, torch.cuda.current_stream(self.device))
+            else:
+                data = written.table.index_select(0, flat)
+            scales = written.scales
             fetched_sf = None
             if scales is not None:
                 num_tokens = indices.shape[0]

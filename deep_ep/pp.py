@@ -8,9 +8,11 @@ to `dst` are still unreceived (back-pressure); `pp_recv(t, src)` fills `t` with 
 (messages of one pair arrive in order). A tensor whose size differs from the sender's raises
 `ValueError` on the receiver; no message by the deadline raises `EPTimeoutError`.
 
-This implementation sends over the group's own point-to-point calls, on every backend: the CPU path
-and the oracle. The ring of slots in the NVLink window (copy engines, zero SMs) is not built yet; V2's
-`num_sms` is accepted and unused.
+On the kernels backend inside one NVLink domain the tensors move with the copy engines through a ring
+of slots in the windows, to any rank (`deep_ep.backends.kernels.pp`): calls return once queued on
+the current stream, and a receive of the wrong size raises at the buffer's next call. Elsewhere, and
+where the window cannot hold a ring for every peer, they move over the group's own point-to-point
+calls: the CPU path and the oracle. V2's `num_sms` is accepted and unused (no SM copies).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deep_ep.agrs import agree_on_call
 from deep_ep.errors import EPTimeoutError
 from deep_ep.host_reads import host_list
 from deep_ep.records import BUFFER_ALIGNMENT_BYTES
@@ -41,18 +44,23 @@ class PpState:
     num_max_tensor_bytes: int = 0  # 0: not configured
     num_max_inflight_tensors: int = 0
     pending: dict[int, deque[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
+    engine: Any = None  # the backend's ring (`EPBackend.pp`), or None: the group's point-to-point calls
 
 
 class PpMixin:
     """The PP methods of `ElasticBuffer` (which provides `group`, `num_ranks`, `rank_idx`, `device`,
-    `num_bytes`, `_pp` and `_exclusive_call`, its guard of one call)."""
+    `num_bytes`, `backend`, `_comm_stream`, `_pp`, `_check_window_free` and `_exclusive_call`, its
+    guard of one call)."""
 
     group: dist.ProcessGroup
     num_ranks: int
     rank_idx: int
     device: torch.device
     num_bytes: int
+    backend: Any
+    _comm_stream: torch.cuda.Stream | None
     _pp: PpState
+    _check_window_free: Callable[[str], None]
     _exclusive_call: Callable[[str], contextlib.AbstractContextManager[float]]
 
     @staticmethod
@@ -63,8 +71,9 @@ class PpMixin:
                      BUFFER_ALIGNMENT_BYTES)  # fmt: skip
 
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
-        """Set the largest tensor and the sends in flight per destination (collective: a barrier, with
-        every rank's earlier sends received first).
+        """Set the largest tensor and the sends in flight per destination (collective: every rank the
+        same values). Over the group's calls, every rank's earlier sends are received first; through
+        the window's ring, unreceived ones are dropped.
 
         Arguments:
             num_max_tensor_bytes: the most bytes of one tensor.
@@ -82,10 +91,21 @@ class PpMixin:
                     f"{op}: the buffer holds {self.num_bytes} bytes, these limits need {needed} "
                     "(get_pp_buffer_size_hint)"
                 )
+            self._check_window_free(op)
+            agree_on_call(self, op, f"{num_max_tensor_bytes}:{num_max_inflight_tensors}", timeout_s)
             for dst in list(self._pp.pending):
                 self._drain(dst, 0, timeout_s, op)
-            _wait(self.group.barrier(), timeout_s, f"{op}'s barrier", self.rank_idx)
-            self._pp = PpState(num_max_tensor_bytes, num_max_inflight_tensors)
+            engine = self.backend.pp()
+            if engine is not None and not engine.fits(num_max_tensor_bytes, num_max_inflight_tensors):
+                engine = None  # V2's hint holds two neighbours' rings; ours keeps one for every peer
+            if engine is None:
+                _wait(self.group.barrier(), timeout_s, f"{op}'s barrier", self.rank_idx)
+            else:
+                stream = torch.cuda.current_stream(self.device)
+                if self._comm_stream is not None:
+                    stream.wait_stream(self._comm_stream)  # no peer writes where a dispatch may still read
+                engine.configure(num_max_tensor_bytes, num_max_inflight_tensors, stream, op)
+            self._pp = PpState(num_max_tensor_bytes, num_max_inflight_tensors, engine=engine)
 
     def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
         """Send `t` to rank `dst_rank_idx` (any other rank of the group).
@@ -98,6 +118,9 @@ class PpMixin:
         op = "pp_send"
         with self._exclusive_call(op) as timeout_s:
             self._check(op, t, "dst_rank_idx", dst_rank_idx)
+            if self._pp.engine is not None:
+                self._pp.engine.send(t, dst_rank_idx, torch.cuda.current_stream(self.device))
+                return
             self._drain(dst_rank_idx, 2 * (self._pp.num_max_inflight_tensors - 1), timeout_s, op)
             staged = t.detach().reshape(-1).view(torch.uint8).clone()  # the caller may reuse `t` at once
             header = torch.tensor([staged.numel()], dtype=torch.int64, device=self.device)
@@ -117,6 +140,9 @@ class PpMixin:
         op = "pp_recv"
         with self._exclusive_call(op) as timeout_s:
             self._check(op, t, "src_rank_idx", src_rank_idx)
+            if self._pp.engine is not None:
+                self._pp.engine.recv(t, src_rank_idx, torch.cuda.current_stream(self.device))
+                return
             header = torch.empty(1, dtype=torch.int64, device=self.device)
             _wait(self.group.recv([header], src_rank_idx, 0), timeout_s, f"{op} from rank {src_rank_idx}",
                   self.rank_idx)  # fmt: skip

@@ -73,6 +73,7 @@ def _assertions(offset_delta: int = 0) -> str:
         f"static_assert(deep_ep::kErrReportedByPeer == {layout.ERROR_REPORTED_BY_PEER});",
         f"static_assert(deep_ep::kInputOutOfRange == {layout.INPUT_OUT_OF_RANGE});",
         f"static_assert(deep_ep::kInputRepeated == {layout.INPUT_REPEATED});",
+        f"static_assert(deep_ep::kInputPpSize == {layout.INPUT_PP_SIZE});",
     ]
     for hidden_bytes, scale_bytes, topk in SHAPES:
         py = records.DispatchRecordLayout(hidden_bytes, scale_bytes, topk)
@@ -101,7 +102,9 @@ def _assertions(offset_delta: int = 0) -> str:
                     "transport deadline (the emulated NIC or a flush of the puts passed it)": "kPhaseNic",
                     "forwarder's counts (hybrid mode: a source's counts for our node)": "kPhaseForwardCounts",
                     "forwarder's arrivals (hybrid mode: a source's records for our node)": "kPhaseForwardArrival",
-                    "AGRS arrivals (a peer's all-gather or reduce-scatter data)": "kPhaseAgrsArrival"}[name]  # fmt: skip
+                    "AGRS arrivals (a peer's all-gather or reduce-scatter data)": "kPhaseAgrsArrival",
+                    "PP credit (the receiver to free a slot of the pair's ring)": "kPhasePpCredit",
+                    "PP arrival (the sender's next message)": "kPhasePpArrival"}[name]  # fmt: skip
         lines.append(f"static_assert(deep_ep::{constant} == {code});")
     return "\n".join(lines)
 

@@ -412,6 +412,16 @@ class EPBackend(abc.ABC):
         `reduce_scatter`, `end_session`), or None: torch collectives over the group."""
         return None
 
+    def pp(self) -> Any | None:
+        """What moves pipeline sends for this backend (`deep_ep.pp`: `configure`, `send`, `recv`), or
+        None: the group's point-to-point calls."""
+        return None
+
+    def engram(self) -> Any | None:
+        """What holds Engram's table and fetches from it (`deep_ep.engram`: `write`, `fetch`), or None:
+        a replicated table gathered over the group."""
+        return None
+
     @classmethod
     def is_supported(cls, group: dist.ProcessGroup) -> bool:
         """Whether this backend can serve `group`, from this rank (local answer, no communication);

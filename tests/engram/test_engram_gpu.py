@@ -1,5 +1,7 @@
-"""Engram on CUDA virtual ranks of one GPU (issue 24): the CPU test's fetches on kernels buffers (whose
-Engram replicates the table over torch collectives until the LSA/GIN fetch is built)."""
+"""Engram on CUDA virtual ranks of one GPU (issue 24). Kernels buffers keep the table sharded in the
+windows and fetch by loads from the owners' windows (deep_ep.backends.kernels.engram): FP8 with
+scales and BF16, rows of whole 16-byte vectors and not, int32 and int64 indices, an empty fetch, and
+a second table written over the first; every fetch bit for bit against the gathered table."""
 
 from __future__ import annotations
 
@@ -11,28 +13,53 @@ import torch.distributed as dist
 from oracle import assert_bitwise, gather_to_all
 
 import deep_ep
+from deep_ep.backends.kernels.engram import NvlinkEngram
+from deep_ep.host_reads import wait_for_stream
 from deep_ep.loopback import LoopbackWorld
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
-def _fetch_rank(rank: int, group: dist.ProcessGroup, seed: int) -> bool:
-    buffer = deep_ep.ElasticBuffer(group, 2 << 20, backend="kernels", explicitly_destroy=True)
+def _random_storage(gen: torch.Generator, num_entries: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    raw = torch.randint(0, 256, (num_entries, hidden * dtype.itemsize), dtype=torch.uint8, generator=gen, device="cuda")
+    return raw.view(dtype)
+
+
+def _fetch_rank(rank: int, group: dist.ProcessGroup, seed: int) -> list[str]:
+    n = group.size()
+    buffer = deep_ep.ElasticBuffer(group, 4 << 20, backend="kernels", explicitly_destroy=True)
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)
-    storage = torch.randint(0, 256, (32, 512), dtype=torch.uint8, generator=gen, device="cuda").view(
-        torch.float8_e4m3fn
-    )
-    sf = torch.rand((group.size() * 32, 4), generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda")
-    buffer.engram_write(storage, sf)
-    indices = torch.randint(0, group.size() * 32, (64, 4), generator=gen, device="cuda", dtype=torch.int32)
-    data, fetched_sf = buffer.engram_fetch(indices, use_tma_aligned_col_major_sf=True)()
-    table = torch.cat(gather_to_all(storage, group))
-    assert_bitwise(data, table[indices.reshape(-1).long().cpu()], "fetched entries")
-    assert_bitwise(fetched_sf, sf.cpu()[indices.reshape(-1).long().cpu()].reshape(64, 16), "fetched scales")
+    shared = torch.Generator(device="cuda").manual_seed(seed)
+    checked = []
+    # (entries per rank, hidden, dtype, index dtype, tokens, entries per token): FP8 with scales and
+    # whole vectors, BF16 rows of 16-byte vectors and of 6-byte rows, then an empty fetch of a
+    # smaller table written over the others
+    cases = [(32, 512, torch.float8_e4m3fn, torch.int32, 64, 4), (48, 1024, torch.bfloat16, torch.int64, 33, 3),
+             (40, 3, torch.bfloat16, torch.int32, 17, 2), (16, 256, torch.bfloat16, torch.int64, 0, 2)]  # fmt: skip
+    for num_entries, hidden, dtype, index_dtype, num_tokens, num_per_token in cases:
+        storage = _random_storage(gen, num_entries, hidden, dtype)
+        is_fp8 = dtype == torch.float8_e4m3fn
+        sf = torch.rand((n * num_entries, 4), generator=shared, device="cuda") if is_fp8 else None
+        buffer.engram_write(storage, sf)
+        assert isinstance(buffer._engram.engine, NvlinkEngram)
+        table = torch.cat(gather_to_all(storage, group))
+        indices = torch.randint(0, n * num_entries, (num_tokens, num_per_token), generator=gen, device="cuda",
+                                dtype=index_dtype)  # fmt: skip
+        data, fetched_sf = buffer.engram_fetch(indices, use_tma_aligned_col_major_sf=is_fp8)()
+        storage.view(torch.uint8).fill_(0)  # the table lives in the windows, not in `storage`
+        assert wait_for_stream(timeout_s=60)
+        flat = indices.reshape(-1).long().cpu()
+        what = f"{dtype} hidden {hidden}, {index_dtype} indices, {num_tokens} x {num_per_token}"
+        assert_bitwise(data.cpu(), table[flat], f"fetched entries ({what})")
+        if is_fp8:
+            assert_bitwise(fetched_sf.cpu(), sf.cpu()[flat].reshape(num_tokens, -1), f"fetched scales ({what})")
+        checked.append(what)
+    buffer.barrier()
     buffer.destroy()
-    return True
+    return checked
 
 
 @pytest.mark.parametrize("num_ranks", [2, 8])
-def test_entries_are_fetched_by_global_index_on_virtual_ranks(num_ranks: int) -> None:
-    assert LoopbackWorld(num_ranks).run(_fetch_rank, time.time_ns() % 1_000_000) == [True] * num_ranks
+def test_entries_are_fetched_by_global_index_from_the_owners_windows(num_ranks: int) -> None:
+    outcomes = LoopbackWorld(num_ranks).run(_fetch_rank, time.time_ns() % 1_000_000)
+    assert all(len(checked) == 4 for checked in outcomes), outcomes

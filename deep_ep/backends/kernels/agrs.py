@@ -48,8 +48,8 @@ class NvlinkAgrs:
 
     @property
     def num_region_bytes(self) -> int:
-        """What a session may hold: the window's data region."""
-        return self.runtime.data_bytes - WORKSPACE_BYTES
+        """What a session may hold: the window's data region, less what PP and Engram keep at its end."""
+        return self.runtime.tail.free_end - WORKSPACE_BYTES
 
     def begin_session(self, stream: torch.cuda.Stream) -> None:
         """Queue the barrier that opens a session on `stream` (collective). Loads the calls' kernels

@@ -22,7 +22,9 @@ from deep_ep.event import current_stream
 from .agrs import NvlinkAgrs
 from .combine import run_combine
 from .dispatch import run_dispatch
+from .engram import NvlinkEngram
 from .layout import MAX_LOCAL_EXPERTS
+from .pp import NvlinkPp
 from .runtime import NvlinkRuntime
 from .transport import choose_transport, open_transport
 
@@ -68,6 +70,8 @@ class NvlinkBackend(EPBackend):
                                      ring_entries_per_warp=None if world is None else world.nic.ring_entries_per_warp,
                                      num_hybrid_nodes=hybrid_nodes(config))  # fmt: skip
         self._agrs: NvlinkAgrs | None = None
+        self._pp: NvlinkPp | None = None
+        self._engram: NvlinkEngram | None = None
 
     @classmethod
     def is_supported(cls, group: dist.ProcessGroup) -> bool:
@@ -192,6 +196,22 @@ class NvlinkBackend(EPBackend):
         if self._agrs is None:
             self._agrs = NvlinkAgrs(self.runtime)
         return self._agrs
+
+    def pp(self) -> NvlinkPp | None:
+        """Pipeline sends over a ring in the window when every peer is reached by stores, else None."""
+        if self.runtime.scaleout is not None:
+            return None
+        if self._pp is None:
+            self._pp = NvlinkPp(self.runtime)
+        return self._pp
+
+    def engram(self) -> NvlinkEngram | None:
+        """Engram's table in the windows, fetched by loads, when every peer is reached by them, else None."""
+        if self.runtime.scaleout is not None:
+            return None
+        if self._engram is None:
+            self._engram = NvlinkEngram(self.runtime)
+        return self._engram
 
     def barrier(self) -> None:
         stream = torch.cuda.current_stream()

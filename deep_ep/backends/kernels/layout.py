@@ -74,7 +74,7 @@ STAGING_RING_OFFSET = -(-(FORWARD_ARRIVAL_OFFSET + MAX_RANKS * MAX_ARRIVAL_BLOCK
 ERROR_WORDS = ("status", "phase", "rank", "peer", "channel", "observed", "expected", "reporter",
                "input_status", "input_row", "input_lane", "input_value", "input_reason")  # fmt: skip
 ERROR_TIMED_OUT_HERE, ERROR_REPORTED_BY_PEER = 1, 2
-INPUT_OUT_OF_RANGE, INPUT_REPEATED = 1, 2
+INPUT_OUT_OF_RANGE, INPUT_REPEATED, INPUT_PP_SIZE = 1, 2, 3
 PHASES = {
     1: "barrier",
     2: "dispatch entry (peer window credit)",
@@ -90,6 +90,8 @@ PHASES = {
     12: "forwarder's counts (hybrid mode: a source's counts for our node)",
     13: "forwarder's arrivals (hybrid mode: a source's records for our node)",
     14: "AGRS arrivals (a peer's all-gather or reduce-scatter data)",
+    15: "PP credit (the receiver to free a slot of the pair's ring)",
+    16: "PP arrival (the sender's next message)",
 }
 HOST_ERROR_PHASE = 10
 

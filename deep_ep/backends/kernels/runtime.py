@@ -37,6 +37,7 @@ from .layout import (
     ERROR_WORDS,
     HOST_ERROR_PHASE,
     INPUT_OUT_OF_RANGE,
+    INPUT_PP_SIZE,
     MASK_ON_TIMEOUT_OFFSET,
     MASKED_RANKS_OFFSET,
     MAX_LOCAL_EXPERTS,
@@ -53,6 +54,7 @@ from .layout import (
     TIMED_OUT_RANKS_OFFSET,
 )
 from .scaleout import ScaleoutRegion, buffer_scaleout_region
+from .tail import TailRegions
 from .transport import Transport
 
 # How long a host wait busy-polls before it starts sleeping between polls
@@ -129,7 +131,14 @@ def describe_fault(words: dict[str, int], timeout_s: float, num_ranks_per_node: 
 
 
 def describe_input_error(words: dict[str, int], num_experts: int) -> str:
-    """The text of an invalid `topk_idx` value that a dispatch found on the device."""
+    """The text of an invalid `topk_idx` value that a dispatch found on the device, or of a pipeline
+    receive whose tensor was not the size of the message (pp.cuh)."""
+    if words["input_reason"] == INPUT_PP_SIZE:
+        return (
+            f"pp_recv: `t` must hold the {words['input_value']} bytes rank {words['input_row']} sent, got "
+            f"{words['input_lane']} (found on the device by that receive; the message was consumed and `t` holds its "
+            "first bytes)"
+        )
     where = f"at [{words['input_row']}, {words['input_lane']}]"
     if words["input_reason"] == INPUT_OUT_OF_RANGE:
         what = (
@@ -195,6 +204,8 @@ class NvlinkRuntime:
         share = transport.share
         self.share = share
         self.data_bytes = num_bytes
+        # The pipeline ring and Engram's table, kept at the end of the data region once configured
+        self.tail = TailRegions(num_bytes)
         self.rank_masking = rank_masking
         self.mask_on_timeout = mask_on_timeout
         self._mask_words: list[torch.Tensor] = []  # pinned sources of mask writes, alive until copied
@@ -475,11 +486,14 @@ class NvlinkRuntime:
         """Raise `ValueError` unless the window holds the workspace and `num_region_bytes` of `what`'s
         records or slots (`layout()` says how they were counted; only called to word the error)."""
         needed = WORKSPACE_BYTES + num_region_bytes
-        if needed > self.data_bytes:
+        if needed > self.tail.free_end:
+            kept = self.tail.describe()
             raise ValueError(
-                f"{what}: the buffer holds {self.data_bytes} bytes per rank but this call needs {needed} "
-                f"({layout()}); create the buffer with ElasticBuffer.get_buffer_size_hint(...) for this shape (a "
-                "buffer sized with `use_fp8_dispatch`=True holds FP8 dispatches, not BF16 ones)"
+                f"{what}: the buffer holds {self.data_bytes} bytes per rank"
+                + (f" ({kept} kept at its end for PP and Engram)" if kept else "")
+                + f" but this call needs {needed} ({layout()}); create the buffer with "
+                "ElasticBuffer.get_buffer_size_hint(...) for this shape (a buffer sized with `use_fp8_dispatch`=True "
+                "holds FP8 dispatches, not BF16 ones)"
             )
 
     def expand_rank_scratch(self, num_elements: int) -> torch.Tensor:

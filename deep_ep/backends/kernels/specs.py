@@ -258,6 +258,38 @@ class AgrsArgs(ctypes.Structure):
     ]
 
 
+class PpArgs(ctypes.Structure):
+    """Mirror of `deep_ep::PpArgs` (pp.cuh), passed by value."""
+
+    _fields_ = [
+        ("window", ctypes.c_uint64),
+        ("error_block", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("region_offset", ctypes.c_int64),
+        ("num_bytes", ctypes.c_int64),
+        ("sequence", ctypes.c_int),
+        ("num_slots", ctypes.c_int),
+        ("slot", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("peer", ctypes.c_int),
+    ]
+
+
+class EngramFetchArgs(ctypes.Structure):
+    """Mirror of `deep_ep::EngramFetchArgs` (engram_fetch.cuh), passed by value."""
+
+    _fields_ = [
+        ("window", ctypes.c_uint64),
+        ("indices", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("table_offset", ctypes.c_int64),
+        ("num_rows", ctypes.c_int64),
+        ("num_entries", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("entry_stride", ctypes.c_int64),
+    ]
+
+
 # Spec builders are memoized: building a KernelSpec resolves include paths on disk, which would
 # otherwise be paid by every kernel of every dispatch and combine.
 def _spec(kernel: str, template_args: tuple, param_types: tuple[str, ...], use_nccl: bool = False) -> KernelSpec:
@@ -370,6 +402,27 @@ def agrs_spec(element: str | None) -> KernelSpec:
     return _spec("agrs", (AGRS_ELEMENTS[element], AGRS_THREADS), ("deep_ep::AgrsArgs",))
 
 
+# The steps of a pipeline send and receive (pp.cuh's `PpStep`), each a one-warp kernel
+PP_STEPS = ("send_wait", "send_signal", "recv_wait", "recv_free")
+
+
+@functools.cache
+def pp_spec(step: str) -> KernelSpec:
+    """One step of a pipeline send or receive (pp.cuh): `step` one of `PP_STEPS`."""
+    return _spec("pp", (PP_STEPS.index(step),), ("deep_ep::PpArgs",))
+
+
+# Engram's fetch (engram_fetch.cuh): threads per CTA, a warp per row at a time
+ENGRAM_THREADS = 256
+ENGRAM_INDEX_TYPES = {"int32": "int32_t", "int64": "int64_t"}
+
+
+@functools.cache
+def engram_fetch_spec(index: str) -> KernelSpec:
+    """Engram's fetch by global index (engram_fetch.cuh), indices of `index` (`'int32'` or `'int64'`)."""
+    return _spec("engram_fetch", (ENGRAM_INDEX_TYPES[index], ENGRAM_THREADS), ("deep_ep::EngramFetchArgs",))
+
+
 @functools.cache
 def nccl_peer_pointers_spec() -> KernelSpec:
     """The only kernel built against NCCL's headers: an NCCL window's LSA peer pointers."""
@@ -411,6 +464,7 @@ def warmup_specs(num_ranks: int = 2, hiddens: tuple[int, ...] = (2048, 7168), nu
     packs). The defaults are the 2-rank shapes of the GPU tests and the benchmark."""
     specs = [peer_store_spec(), nccl_peer_pointers_spec(), post_fault_spec(), transport_ping_spec("lsa")]
     specs += [agrs_spec(element) for element in AGRS_ELEMENTS]
+    specs += [pp_spec(step) for step in PP_STEPS] + [engram_fetch_spec(index) for index in ENGRAM_INDEX_TYPES]
     for hidden in hiddens:
         fp8 = (-(-hidden // 128) * 4, -(-hidden // 512) * 4)
         specs += moe_specs(num_ranks, hidden, num_topk, num_experts, fp8)

@@ -50,7 +50,8 @@ enum ErrorWord : int {
 
 // `kErrStatus` values, and `kErrInputReason` values
 constexpr int64_t kErrTimedOutHere = 1, kErrReportedByPeer = 2;
-constexpr int64_t kInputOutOfRange = 1, kInputRepeated = 2;
+// (`kInputPpSize`: a pipeline receive's tensor is not the size of the message, kernels/pp.cuh)
+constexpr int64_t kInputOutOfRange = 1, kInputRepeated = 2, kInputPpSize = 3;
 
 enum Phase : int {
     kPhaseBarrier = 1,
@@ -71,6 +72,9 @@ enum Phase : int {
     kPhaseForwardArrival = 13,
     // An AGRS call (kernels/agrs.cuh) waiting for a peer's data
     kPhaseAgrsArrival = 14,
+    // A pipeline send (kernels/pp.cuh) waiting for the receiver to free a slot, a receive for the message
+    kPhasePpCredit = 15,
+    kPhasePpArrival = 16,
 };
 
 // The status word: 0 while healthy; else the phase (bits 0-7), the rank whose wait expired + 1
