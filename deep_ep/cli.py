@@ -428,8 +428,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import deep_ep.loopback  # noqa: F401  (before CUDA starts: the CUDA settings virtual ranks need)
     from deep_ep.bench import cases, runner
 
-    if args.op == "agrs":
-        return _bench_agrs(args)
+    if args.op != "moe":
+        return _bench_side_op(args)
     config = cases.default_config(sms=args.sms, tokens=args.tokens, dtypes=args.dtype, routings=args.routing,
                                   num_ranks=args.ranks, min_ranks=1 if args.host else 2)  # fmt: skip
     if args.iters is not None:
@@ -485,26 +485,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_agrs(args: argparse.Namespace) -> int:
-    """`deep-ep bench --op agrs`: AGRS against torch collectives on virtual ranks (deep_ep.bench.agrs)."""
+def _bench_side_op(args: argparse.Namespace) -> int:
+    """`deep-ep bench --op agrs|pp|engram`: the side operations against torch collectives on virtual
+    ranks (deep_ep.bench.agrs, .pp, .engram)."""
     import torch
 
-    from deep_ep.bench import agrs
+    from deep_ep.bench import agrs, engram, pp
 
+    op = args.op
     options = (("--sms", args.sms), ("--tokens", args.tokens), ("--dtype", args.dtype), ("--routing", args.routing),
                ("--host", args.host), ("--nodes", args.nodes is not None), ("--plot", args.plot),
                ("--breakdown", args.breakdown))  # fmt: skip
     if given := [name for name, value in options if value]:
-        raise ValueError(f"bench: `--op agrs` times AGRS calls of fixed sizes; drop {', '.join(given)}")
+        what = {"agrs": "AGRS", "pp": "PP", "engram": "Engram"}[op]
+        raise ValueError(f"bench: `--op {op}` times {what} calls of fixed sizes; drop {', '.join(given)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     num_ranks = args.ranks or 4
     if num_ranks < 2:
-        raise ValueError(f"bench: `--op agrs` needs `--ranks` >= 2, got {num_ranks}")
-    sizes = agrs.DEFAULT_SIZES if device == "cuda" else (4 << 10, 64 << 10)
+        raise ValueError(f"bench: `--op {op}` needs `--ranks` >= 2, got {num_ranks}")
+    run, gpu_sizes, cpu_sizes = {
+        "agrs": (agrs.run_agrs, agrs.DEFAULT_SIZES, (4 << 10, 64 << 10)),
+        "pp": (pp.run_pp, pp.DEFAULT_SIZES, (4 << 10, 64 << 10)),
+        "engram": (engram.run_engram, engram.DEFAULT_TOKENS, (16, 128)),
+    }[op]
     num_iters = args.iters or (20 if device == "cuda" else 3)
     seed = args.seed if args.seed is not None else time.time_ns() % 1_000_000
     command = " ".join(["deep-ep", *sys.argv[1:]])
-    agrs.run_agrs(num_ranks, device, sizes, num_iters, seed, json_path=args.json, command=command)
+    run(num_ranks, device, gpu_sizes if device == "cuda" else cpu_sizes, num_iters, seed, json_path=args.json,
+        command=command)  # fmt: skip
     return 0
 
 
@@ -560,9 +568,10 @@ def register_bench(subparsers: Any) -> None:
                         help="instead of bandwidth: split the virtual ranks of one GPU into N virtual nodes and "
                              "count the bytes per token that cross the emulated NIC between them, measured in "
                              "direct mode and modelled for hybrid mode (deep_ep.bench.nodes)")  # fmt: skip
-    parser.add_argument("--op", choices=("moe", "agrs"), default="moe",
-                        help="what to time: dispatch/combine (moe, the default), or AGRS sessions' all-gather and "
-                             "reduce-scatter against torch collectives on virtual ranks (agrs: deep_ep.bench.agrs)")  # fmt: skip
+    parser.add_argument("--op", choices=("moe", "agrs", "pp", "engram"), default="moe",
+                        help="what to time: dispatch/combine (moe, the default); or against torch collectives on "
+                             "virtual ranks AGRS sessions' all-gather and reduce-scatter (agrs), pipeline send/recv "
+                             "(pp) or Engram's fetch (engram): deep_ep.bench.agrs, .pp, .engram")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="seed of the inputs (default: from the clock)")
     parser.add_argument(
         "--json", default=None, metavar="FILE", help="write the results (with commit, command, hardware, date)"

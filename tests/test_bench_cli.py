@@ -464,3 +464,19 @@ def test_bench_op_agrs_checks_then_times_both_paths_and_writes_json(tmp_path):
     assert "reduce_scatter" in result.stdout and "ours/torch" in result.stdout
     refused = _bench(tmp_path, "--op", "agrs", "--tokens", "128")
     assert refused.returncode != 0 and "`--op agrs` times AGRS calls of fixed sizes; drop --tokens" in refused.stderr
+
+
+@pytest.mark.parametrize("op", ["pp", "engram"])
+def test_bench_op_pp_and_engram_check_then_time_both_paths_and_write_json(tmp_path, op):
+    json_path = tmp_path / f"{op}.json"
+    result = _bench(tmp_path, "--op", op, "--ranks", "2", "--iters", "1", "--seed", "5", "--json", str(json_path))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(json_path.read_text())
+    assert {"commit", "command", "hardware", "date", "seed", "rows", "per_rank", "checked_against"} <= set(document)
+    assert len(document["rows"]) == 2 and len(document["per_rank"]) == 2  # two sizes on CPU ranks
+    for row in document["rows"]:
+        assert row["ours_us"] > 0 and row["torch_us"] > 0, row
+        assert row["ours_over_torch"] == pytest.approx(row["ours_us"] / row["torch_us"])
+        assert row["path"] == ("point-to-point calls" if op == "pp" else "replicated table"), row
+    refused = _bench(tmp_path, "--op", op, "--sms", "8")
+    assert refused.returncode != 0 and f"`--op {op}` times" in refused.stderr and "drop --sms" in refused.stderr

@@ -3,6 +3,7 @@ where they sit, that a kept region never moves under another, and the errors of 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -22,7 +23,7 @@ def test_regions_stack_down_from_the_end_and_keep_their_places() -> None:
     assert engram + 70_144 <= pp and tail.free_end == engram
     assert tail.keep("pp", 4000, "pp_set_config") == pp  # smaller: the same place
     assert tail.keep("engram", 90_000, "engram_write") < engram  # the lowest grows downwards
-    with pytest.raises(ValueError, match="pp_set_config: needs 5376 bytes .* pp region, which holds 5120"):
+    with pytest.raises(ValueError, match=r"pp_set_config: needs 5376 bytes .* pp region, which holds 5120"):
         tail.keep("pp", 5300, "pp_set_config")  # the engram region is below: pp cannot grow
     assert not tail.fits("pp", 5300) and tail.fits("pp", 5120)
 
@@ -50,7 +51,7 @@ def test_random_sequences_never_overlap_nor_move_a_region_under_another() -> Non
             assert tail._regions == before, seed
             continue
         spans = sorted(tail._regions.values())
-        assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:])), (seed, spans)
+        assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans)), (seed, spans)
         assert spans[0][0] >= WORKSPACE_BYTES and spans[-1][0] + spans[-1][1] <= tail.data_bytes, (seed, spans)
         assert all(tail._regions[other] == before[other] for other in before if other != name), seed
 

@@ -13,34 +13,17 @@ show the copy engines' and the host's cost, not NVLink's.
 
 from __future__ import annotations
 
-import json
-import statistics
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..backends.kernels.agrs import reduce_ctas
-from . import report
+from .side_ops import run_side_op, wall_us
 
 # Bytes of one rank's tensor (all-gather input, reduce-scatter output)
 DEFAULT_SIZES = (64 << 10, 1 << 20, 16 << 20)
 DTYPE = torch.bfloat16
-
-
-def _timed(call: Any, device: torch.device, num_iters: int) -> float:
-    """Median wall time of `call()` and a synchronisation of the device, in microseconds."""
-    samples = []
-    for _ in range(num_iters):
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
 
 
 def agrs_bench_rank(rank: int, group: dist.ProcessGroup, sizes: tuple[int, ...], num_iters: int,
@@ -101,18 +84,9 @@ def _size_rows(buffer: Any, group: dist.ProcessGroup, rank: int, size: int, gen:
         ours()  # warm-up (kernels loaded, allocations made)
         theirs()
         ctas = None if engine is None else 1 if op == "all_gather" else reduce_ctas(num_elements)
-        rows.append(dict(op=op, bytes_per_rank=size, ours_us=_timed(ours, device, num_iters),
-                         torch_us=_timed(theirs, device, num_iters), ours_ctas=ctas,
+        rows.append(dict(op=op, bytes_per_rank=size, ours_us=wall_us(ours, device, num_iters),
+                         torch_us=wall_us(theirs, device, num_iters), ours_ctas=ctas,
                          path="copy engines + window" if engine is not None else "torch collectives"))  # fmt: skip
-    return rows
-
-
-def summarize(per_rank: list[list[dict]]) -> list[dict]:
-    """One row per (op, size): the slowest rank's medians, and ours over torch's."""
-    rows = []
-    for same in zip(*per_rank, strict=True):
-        ours, theirs = max(r["ours_us"] for r in same), max(r["torch_us"] for r in same)
-        rows.append(dict(same[0], ours_us=ours, torch_us=theirs, ours_over_torch=ours / theirs))
     return rows
 
 
@@ -128,21 +102,7 @@ def format_table(rows: list[dict], hardware: str) -> str:
 
 def run_agrs(num_ranks: int, device: str, sizes: tuple[int, ...] = DEFAULT_SIZES, num_iters: int = 20,
              seed: int = 0, json_path: str | None = None, command: str | None = None) -> list[dict]:  # fmt: skip
-    """Run the AGRS bench on `num_ranks` virtual ranks of `device` (`'cuda'`: one GPU; `'cpu'`: the
-    reference backend), print the table and write the JSON when asked."""
-    from ..loopback import LoopbackWorld
-
-    hardware = report.hardware_name(device, num_ranks, True)
-    print(f"deep-ep bench --op agrs: {len(sizes)} size(s) on {hardware}, seed {seed}", file=sys.stderr, flush=True)
-    with LoopbackWorld(num_ranks, 0 if device == "cuda" else "cpu", timeout_s=1800) as world:
-        per_rank = world.run(agrs_bench_rank, sizes, num_iters, seed)
-    rows = summarize(per_rank)
-    print(format_table(rows, hardware))
-    print(f"measured: {report.provenance(command, hardware)}")
-    if json_path:
-        document = dict(commit=report.git_commit(), command=command or " ".join(sys.argv), hardware=hardware,
-                        date=report.utc_now(), torch=torch.__version__, seed=seed, num_iters=num_iters,
-                        checked_against="torch all_gather_into_tensor (bitwise); fixed-order FP32 sum (bitwise)",
-                        rows=rows, per_rank=per_rank)  # fmt: skip
-        Path(json_path).write_text(json.dumps(document, indent=2) + "\n")
-    return rows
+    """Run the AGRS bench on `num_ranks` virtual ranks of `device` (see `side_ops.run_side_op`)."""
+    return run_side_op("agrs", agrs_bench_rank, format_table,
+                       "torch all_gather_into_tensor (bitwise); fixed-order FP32 sum (bitwise)", num_ranks, device,
+                       sizes, num_iters, seed, json_path, command)  # fmt: skip
