@@ -85,12 +85,13 @@ def test_nccl_2_28_9_refuses_the_gin_transport(nccl_roots, sm90a_checked_cache, 
 
 def _gin_specs(version: str, backend: str) -> list:
     """Every kernel of one MoE shape (EP8, hidden 4096, top-8, 64 experts, BF16 and FP8 with per-128
-    scales) over `gin-<backend>`, the fault post and the transport self-test; with rank masking and
-    hybrid mode's dispatches too on the primary release (2.32.3) only, to keep CI's 2 cores within
-    budget."""
+    scales) over `gin-<backend>`, the fault post, the transport self-test and Engram's fetch; with rank
+    masking and hybrid mode's dispatches too on the primary release (2.32.3) only, to keep CI's 2 cores
+    within budget."""
     transport = f"gin-{backend.lower()}"
     specs = kernel_specs.moe_specs(8, 4096, 8, 64, (128,), False, transport)
-    specs += [kernel_specs.post_fault_spec(transport), kernel_specs.transport_ping_spec(transport)]
+    specs += [kernel_specs.post_fault_spec(transport), kernel_specs.transport_ping_spec(transport),
+              kernel_specs.engram_fetch_spec("int64", transport)]  # fmt: skip
     if version == "2.32.3":
         specs += kernel_specs.moe_specs(8, 4096, 8, 64, (128,), True, transport)
         # Hybrid mode's dispatches (issue 17), fresh and cached, BF16 (FP8 differs in its scales' bytes), its

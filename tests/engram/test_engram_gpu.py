@@ -1,7 +1,8 @@
 """Engram on CUDA virtual ranks of one GPU (issue 24). Kernels buffers keep the table sharded in the
-windows and fetch by loads from the owners' windows (deep_ep.backends.kernels.engram): FP8 with
-scales and BF16, rows of whole 16-byte vectors and not, int32 and int64 indices, an empty fetch, and
-a second table written over the first; every fetch bit for bit against the gathered table."""
+windows and fetch by loads from the owners' windows (deep_ep.backends.kernels.engram), and on virtual
+nodes by the emulated NIC's get from the owners of other nodes (eager, and strict: late and shuffled):
+FP8 with scales and BF16, rows of whole 16-byte vectors and not, int32 and int64 indices, an empty
+fetch, and tables written over each other; every fetch bit for bit against the gathered table."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from oracle import assert_bitwise, gather_to_all
 
 import deep_ep
 from deep_ep.backends.kernels.engram import NvlinkEngram
+from deep_ep.backends.kernels.links import NicOptions
 from deep_ep.host_reads import wait_for_stream
 from deep_ep.loopback import LoopbackWorld
 
@@ -27,7 +29,7 @@ def _random_storage(gen: torch.Generator, num_entries: int, hidden: int, dtype: 
 
 def _fetch_rank(rank: int, group: dist.ProcessGroup, seed: int) -> list[str]:
     n = group.size()
-    buffer = deep_ep.ElasticBuffer(group, 4 << 20, backend="kernels", explicitly_destroy=True)
+    buffer = deep_ep.ElasticBuffer(group, 8 << 20, backend="kernels", explicitly_destroy=True, allow_hybrid_mode=False)
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)
     shared = torch.Generator(device="cuda").manual_seed(seed)
     checked = []
@@ -54,6 +56,9 @@ def _fetch_rank(rank: int, group: dist.ProcessGroup, seed: int) -> list[str]:
         if is_fp8:
             assert_bitwise(fetched_sf.cpu(), sf.cpu()[flat].reshape(num_tokens, -1), f"fetched scales ({what})")
         checked.append(what)
+    links = buffer.backend.runtime.links
+    if hasattr(links, "traffic"):  # virtual nodes: the rows of other nodes came through the emulated NIC
+        checked.append(f"NIC bytes {links.traffic()['bytes']}")
     buffer.barrier()
     buffer.destroy()
     return checked
@@ -63,3 +68,13 @@ def _fetch_rank(rank: int, group: dist.ProcessGroup, seed: int) -> list[str]:
 def test_entries_are_fetched_by_global_index_from_the_owners_windows(num_ranks: int) -> None:
     outcomes = LoopbackWorld(num_ranks).run(_fetch_rank, time.time_ns() % 1_000_000)
     assert all(len(checked) == 4 for checked in outcomes), outcomes
+
+
+@pytest.mark.parametrize("num_nodes, per_node, strict", [(2, 2, True), (2, 4, False), (4, 2, True)])
+def test_entries_of_other_nodes_are_fetched_by_the_transport_get(num_nodes: int, per_node: int, strict: bool) -> None:
+    seed = time.time_ns() % 1_000_000
+    world = LoopbackWorld(num_nodes * per_node, num_ranks_per_node=per_node, nic=NicOptions(strict=strict, seed=seed))
+    outcomes = world.run(_fetch_rank, seed)
+    assert all(len(checked) == 5 for checked in outcomes), (seed, outcomes)
+    # Every rank fetched rows of other nodes (at random: 147 rows of 4 tables, from 1/2 to 3/4 remote)
+    assert all(int(checked[-1].split()[-1]) > 0 for checked in outcomes), (seed, outcomes)

@@ -206,9 +206,8 @@ class NvlinkBackend(EPBackend):
         return self._pp
 
     def engram(self) -> NvlinkEngram | None:
-        """Engram's table in the windows, fetched by loads, when every peer is reached by them, else None."""
-        if self.runtime.scaleout is not None:
-            return None
+        """Engram's table in the windows: fetched by loads in our scale-up domain, by the transport's get
+        from the others."""
         if self._engram is None:
             self._engram = NvlinkEngram(self.runtime)
         return self._engram

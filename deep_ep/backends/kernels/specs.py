@@ -279,14 +279,18 @@ class EngramFetchArgs(ctypes.Structure):
     """Mirror of `deep_ep::EngramFetchArgs` (engram_fetch.cuh), passed by value."""
 
     _fields_ = [
-        ("window", ctypes.c_uint64),
+        ("window_base", ctypes.c_uint64),
+        ("error_block", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
         ("indices", ctypes.c_uint64),
         ("out", ctypes.c_uint64),
         ("table_offset", ctypes.c_int64),
+        ("staging_offset", ctypes.c_int64),
         ("num_rows", ctypes.c_int64),
         ("num_entries", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
         ("entry_stride", ctypes.c_int64),
+        ("rank", ctypes.c_int),
     ]
 
 
@@ -418,9 +422,11 @@ ENGRAM_INDEX_TYPES = {"int32": "int32_t", "int64": "int64_t"}
 
 
 @functools.cache
-def engram_fetch_spec(index: str) -> KernelSpec:
-    """Engram's fetch by global index (engram_fetch.cuh), indices of `index` (`'int32'` or `'int64'`)."""
-    return _spec("engram_fetch", (ENGRAM_INDEX_TYPES[index], ENGRAM_THREADS), ("deep_ep::EngramFetchArgs",))
+def engram_fetch_spec(index: str, transport: str = "lsa") -> KernelSpec:
+    """Engram's fetch by global index (engram_fetch.cuh), indices of `index` (`'int32'` or `'int64'`),
+    remote owners read through `transport` (one of `TRANSPORTS`; a hybrid one's base)."""
+    return _transport_spec("engram_fetch", (ENGRAM_INDEX_TYPES[index], ENGRAM_THREADS), ("deep_ep::EngramFetchArgs",),
+                           _base_transport(transport))  # fmt: skip
 
 
 @functools.cache
@@ -465,6 +471,7 @@ def warmup_specs(num_ranks: int = 2, hiddens: tuple[int, ...] = (2048, 7168), nu
     specs = [peer_store_spec(), nccl_peer_pointers_spec(), post_fault_spec(), transport_ping_spec("lsa")]
     specs += [agrs_spec(element) for element in AGRS_ELEMENTS]
     specs += [pp_spec(step) for step in PP_STEPS] + [engram_fetch_spec(index) for index in ENGRAM_INDEX_TYPES]
+    specs += [engram_fetch_spec("int64", transport) for transport in EMULATED_TRANSPORTS]
     for hidden in hiddens:
         fp8 = (-(-hidden // 128) * 4, -(-hidden // 512) * 4)
         specs += moe_specs(num_ranks, hidden, num_topk, num_experts, fp8)

@@ -30,7 +30,12 @@ namespace deep_ep::transport {
 
 // A descriptor's head: its kind (bits 0-7), its peer (bits 8-31), and its slot (bits 32-63). A free
 // entry holds only the slot that may take it next, with kind `kNicEmpty`.
-enum EmulatedKind : uint64_t { kNicEmpty = 0, kNicPut = 1, kNicSignal = 2 };
+// A get is a put the other way (the peer's window into ours), run and flushed as puts are.
+enum EmulatedKind : uint64_t { kNicEmpty = 0, kNicPut = 1, kNicSignal = 2, kNicGet = 3 };
+
+__device__ __forceinline__ bool nic_moves_data(uint64_t head) {
+    return (head & 0xff) == kNicPut or (head & 0xff) == kNicGet;
+}
 
 // `Emulated::Args::mistake`
 enum NicMistake : int { kNicCorrect = 0, kNicNoFlush = 1, kNicSignalFirst = 2, kNicSplitContexts = 3 };
@@ -70,7 +75,7 @@ struct Emulated {
     // The kernel's argument, by reference (its words stay in the constant bank, not in registers)
     const Args& args;
     int context;  // the context this object posts on
-    // Lane 0: the slot of the warp's last put on its context (-1: none yet)
+    // Lane 0: the slot of the warp's last put or get on its context (-1: none yet)
     mutable int last_put_slot = -1;
 
     __device__ __forceinline__ Emulated(const Args& args_, int context_) : args(args_), context(context_) {}
@@ -104,6 +109,23 @@ struct Emulated {
         __syncwarp();
     }
 
+    // Every lane of the warp calls it; `num_bytes` a multiple of 16. The bytes are in our window once
+    // `flush_warp` returned true (eager: at once; strict: when the NIC has run it, late and shuffled)
+    __device__ __forceinline__ void get_warp(int lane_idx, int peer, size_t dst_offset, size_t src_offset,
+                                             size_t num_bytes) const {
+        __syncwarp();
+        if (lane_idx == 0) atomicAdd(args.traffic + kNicTrafficBytes, static_cast<unsigned long long>(num_bytes));
+        if constexpr (kStrict) {
+            if (lane_idx == 0) {
+                const int slot = post(context, kNicGet, peer, dst_offset, src_offset, num_bytes);
+                if (slot >= 0) last_put_slot = slot;
+            }
+        } else {
+            direct().get_warp(lane_idx, peer, dst_offset, src_offset, num_bytes);
+        }
+        __syncwarp();
+    }
+
     // One thread. Strict: posted behind the context's earlier puts to `peer`, which the NIC runs first
     __device__ __forceinline__ void signal_add(int peer, size_t word_offset, uint64_t value) const {
         atomicAdd(args.traffic + kNicTrafficSignals, 1ull);
@@ -119,8 +141,8 @@ struct Emulated {
         }
     }
 
-    // Every lane of the warp: every put this warp posted has read its source (strict: the NIC has
-    // run it); false when the deadline passed
+    // Every lane of the warp: every put this warp posted has read its source and every get has
+    // landed (strict: the NIC has run them); false when the deadline passed
     __device__ __forceinline__ bool flush_warp(uint64_t timeout_ns) const {
         if constexpr (not kStrict) return true;
         if (args.mistake == kNicNoFlush) return true;
@@ -257,7 +279,7 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers, const OnTimeout& on_
                 for (int c = 0; c < kNicContexts; ++c)
                     for (int p = 0; p < kMaxPeers; ++p) first_put[c][p] = INT_MAX;
                 for (int j = 0; j < num_pending; ++j) {
-                    if ((pending[j][0] & 0xff) != kNicPut) continue;
+                    if (not nic_moves_data(pending[j][0])) continue;
                     int& first = first_put[pending_context[j]][(pending[j][0] >> 8) & 0xffffff];
                     first = min(first, pending_slot[j]);
                 }
@@ -289,7 +311,7 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers, const OnTimeout& on_
                 // Run up to `kNumLanes` puts that have waited long enough, from a random place on
                 int num_ready = 0;
                 for (int j = 0; j < num_pending; ++j)
-                    num_ready += (pending[j][0] & 0xff) == kNicPut and now - pending_since[j] >= args.delay_ns;
+                    num_ready += nic_moves_data(pending[j][0]) and now - pending_since[j] >= args.delay_ns;
                 for (int k = 0; k < kNumLanes; ++k) action[k] = kIdle;
                 num_taken = 0;
                 if (num_ready > 0) {
@@ -297,7 +319,7 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers, const OnTimeout& on_
                     const int start = static_cast<int>((random >> 8) % static_cast<uint32_t>(num_pending));
                     for (int step = 0; step < num_pending and num_taken < kNumLanes; ++step) {
                         const int j = (start + step) % num_pending;
-                        if ((pending[j][0] & 0xff) == kNicPut and now - pending_since[j] >= args.delay_ns)
+                        if (nic_moves_data(pending[j][0]) and now - pending_since[j] >= args.delay_ns)
                             action[num_taken++] = j;
                     }
                 } else {
@@ -317,9 +339,12 @@ __device__ void Emulated<kStrict>::run_nic(int num_issuers, const OnTimeout& on_
             const int lane = threadIdx.x / (blockDim.x / kNumLanes);
             const int picked = action[lane];
             if (picked >= 0) {
-                direct().copy(threadIdx.x % (blockDim.x / kNumLanes), blockDim.x / kNumLanes,
-                              static_cast<int>((pending[picked][0] >> 8) & 0xffffff), pending[picked][1],
-                              pending[picked][2], pending[picked][3]);
+                const int first = threadIdx.x % (blockDim.x / kNumLanes), stride = blockDim.x / kNumLanes;
+                const int peer = static_cast<int>((pending[picked][0] >> 8) & 0xffffff);
+                if ((pending[picked][0] & 0xff) == kNicGet)
+                    direct().copy_from(first, stride, peer, pending[picked][1], pending[picked][2], pending[picked][3]);
+                else
+                    direct().copy(first, stride, peer, pending[picked][1], pending[picked][2], pending[picked][3]);
             }
             __syncthreads();
             if (threadIdx.x == 0 and num_taken > 0) {

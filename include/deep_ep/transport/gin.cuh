@@ -2,11 +2,11 @@
 
 // The transport verbs (docs/transport.md) over NCCL GIN, for peers outside our LSA team: `put_warp`
 // is the warp's `ncclGin::put` from our window to the peer's (it returns before the data moves;
-// puts are unordered), `signal_add` a strong 64-bit VA signal (a peer that observes it sees every
-// earlier put of this context to that peer), `flush_warp` waits until every put of the warp has
-// read its source (not: has landed), with a deadline from NCCL 2.31, `read_signal` an acquire read
-// of our own word. The interface of lsa.cuh. Compiled only (no machine here has an RDMA NIC),
-// against NCCL 2.30.4 (DeepEP V2's floor) and newer.
+// puts are unordered), `get_warp` its `ncclGin::get` from the peer's window into ours, `signal_add` a strong 64-bit VA
+// signal (a peer that observes it sees every earlier put of this context to that peer), `flush_warp` waits until every
+// put of the warp has read its source (not: has landed) and every get of the warp has landed, with a deadline from
+// NCCL 2.31, `read_signal` an acquire read of our own word. The interface of lsa.cuh. Compiled only (no machine here
+// has an RDMA NIC), against NCCL 2.30.4 (DeepEP V2's floor) and newer.
 
 #include <cstddef>
 #include <cstdint>
@@ -49,6 +49,15 @@ struct Gin {
         const ncclGin gin(args.comm, context);
         gin.put(ncclTeamWorld(args.comm), peer, args.window, dst_offset, args.window, src_offset, num_bytes,
                 ncclGin_None{}, ncclGin_None{}, ncclCoopWarp());
+    }
+
+    // A read of the peer's window into ours (`ncclGin::get`, an RDMA read on the context's QP): the
+    // data is ours once `flush_warp` has returned true (the read's completion)
+    __device__ __forceinline__ void get_warp(int, int peer, size_t dst_offset, size_t src_offset,
+                                             size_t num_bytes) const {
+        const ncclGin gin(args.comm, context);
+        gin.get(ncclTeamWorld(args.comm), peer, args.window, src_offset, args.window, dst_offset, num_bytes,
+                ncclCoopWarp());
     }
 
     __device__ __forceinline__ void signal_add(int peer, size_t word_offset, uint64_t value) const {

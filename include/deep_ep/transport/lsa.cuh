@@ -2,8 +2,8 @@
 
 // The transport verbs (docs/transport.md) for peers whose windows this rank reaches by loads and
 // stores (NVLink, or the virtual ranks of one GPU): `put_warp` is the warp's copy from our window
-// into the peer's, `signal_add` a system-scope release add to a 64-bit word of the peer's window,
-// `flush_warp` nothing (a store has read its source when it retires), `read_signal` an acquire load
+// into the peer's, `get_warp` from the peer's into ours, `signal_add` a system-scope release add to a 64-bit word of
+// the peer's window, `flush_warp` nothing (a store has read its source when it retires), `read_signal` an acquire load
 // of our own word. The interface of gin.cuh and emulated.cuh, so that one kernel templated on the
 // transport serves all three. As the transport of the communication kernels it has no remote peers
 // (`kHasRemote`): every peer is one of our scale-up domain, reached by the kernels' own stores, and
@@ -46,6 +46,21 @@ struct Lsa {
                                          size_t num_bytes) const {
         const int4* src = reinterpret_cast<const int4*>(args.peer_windows[args.rank] + src_offset);
         int4* dst = reinterpret_cast<int4*>(args.peer_windows[peer] + dst_offset);
+        for (size_t v = first; v < num_bytes / 16; v += stride) st_na_v4(dst + v, ld_window_v4(src + v));
+    }
+
+    // `num_bytes` a multiple of 16: the warp's copy from the peer's window into ours; complete when
+    // the warp's loads retire (`flush_warp` has nothing to wait for)
+    __device__ __forceinline__ void get_warp(int lane_idx, int peer, size_t dst_offset, size_t src_offset,
+                                             size_t num_bytes) const {
+        copy_from(lane_idx, 32, peer, dst_offset, src_offset, num_bytes);
+    }
+
+    // The copy of `get_warp` by threads `first, first + stride, ...` (the emulated NIC uses a CTA)
+    __device__ __forceinline__ void copy_from(int first, int stride, int peer, size_t dst_offset, size_t src_offset,
+                                              size_t num_bytes) const {
+        const int4* src = reinterpret_cast<const int4*>(args.peer_windows[peer] + src_offset);
+        int4* dst = reinterpret_cast<int4*>(args.peer_windows[args.rank] + dst_offset);
         for (size_t v = first; v < num_bytes / 16; v += stride) st_na_v4(dst + v, ld_window_v4(src + v));
     }
 
