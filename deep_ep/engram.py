@@ -7,12 +7,12 @@ entries `[rank * num_entries, (rank + 1) * num_entries)`; `engram_fetch(indices)
 returns a hook that gives `(data, sf)`: `data[t * E + e]` = entry `indices[t, e]`, bit for bit, and
 `sf[t]` the entries' scales side by side.
 
-On the kernels backend inside one NVLink domain the table stays sharded: each rank's shard sits at the
-end of its window (`deep_ep.backends.kernels.engram`) and a fetch is one kernel of loads from the
-owners' windows (LSA), returned once queued on the current stream; the scales are replicated. Elsewhere
-`engram_write` replicates the table (one all-gather over the buffer's group) and a fetch is a local
-gather: the CPU path and the oracle. The GIN get across nodes is not built; V2's `num_qps` is
-accepted and unused.
+On the kernels backend the table stays sharded: each rank's shard sits at the end of its window
+(`deep_ep.backends.kernels.engram`) and a fetch is one kernel that reads the owners' windows (loads
+in our scale-up domain, the transport's get from other nodes), returned once queued on the current
+stream; the scales are replicated. On the reference backend `engram_write` replicates the table (one
+all-gather over the buffer's group) and a fetch is a local gather: the CPU path and the oracle. V2's
+`num_qps` is accepted and unused.
 """
 
 from __future__ import annotations
