@@ -3,10 +3,13 @@ the reduce-scatter V2 does not have.
 
 A session (`with buffer.agrs_new_session(): ...`, or `create_agrs_session()` ... `destroy_agrs_session()`)
 holds at most `num_max_session_bytes` of gathered data in at most `num_max_all_gathers_per_session`
-calls (`agrs_set_config`; by default the buffer's bytes and 1024 calls). Every call is collective: the
-ranks first agree on the call's shapes and dtypes (one small all-gather, with the buffer's host
-deadline), so a disagreement raises the same `ValueError` on every rank instead of a hang, and a
-peer that never joins raises `EPTimeoutError`.
+calls (`agrs_set_config`; by default the buffer's bytes and 1024 calls). Every call is collective. On
+torch collectives the ranks first agree on the call's shapes and dtypes (one small all-gather, with
+the buffer's host deadline), so a disagreement raises the same `ValueError` on every rank instead of a
+hang, and a peer that never joins raises `EPTimeoutError`. Through the backend's engine the host
+agrees on nothing (V2 does not either): the device compares each call's signature with every peer's
+(`EPOperationMismatchError` when they differ), a rank that rejects its arguments stops the buffer on
+every rank (`EPPeerError` there), and a peer that never joins makes the device wait expire.
 
 The data moves as the backend says (`EPBackend.agrs`): on the kernels backend inside one NVLink
 domain, by the copy engines straight into the peers' windows (`deep_ep.backends.kernels.agrs`:
@@ -133,9 +136,11 @@ class AgrsMixin:
             if not self._agrs.is_open:
                 raise ValueError(f"{op}: needs an open AGRS session, got none (create_agrs_session first)")
             self._agrs.is_open = False
-            self._agree(op, "", timeout_s)
-            if self._agrs.engine_open:
-                # Every rank's reads of this session's blocks (queued before) end before any window is written again
+            if self.backend.agrs() is None:
+                self._agree(op, "", timeout_s)
+            elif self._agrs.engine_open:
+                # Every rank's reads of this session's blocks (queued before) end before any window is
+                # written again: the barrier (device deadline) is the session's only collective step
                 self._agrs.engine_open = False
                 stream = torch.cuda.current_stream(self.device)
                 self.backend.agrs().end_session(stream)
@@ -219,30 +224,41 @@ class AgrsMixin:
         with self._exclusive_call(op) as timeout_s:
             if not self._agrs.is_open:
                 raise ValueError(f"{op}: needs an open AGRS session, got none (call it inside `agrs_new_session()`)")
+            engine = self.backend.agrs()
+            if engine is not None:
+                return self._engine_call(engine, op, t)
             tensors: list[torch.Tensor] = []
             error = None
             try:
                 tensors = self._checked_tensors(op, t)
             except (TypeError, ValueError) as rejected:
                 error = rejected
-            self._agree(op, ";".join(f"{x.dtype}{tuple(x.shape)}" for x in tensors), timeout_s, error)
-            offsets = self._count(op, tensors)
-            engine = self.backend.agrs()
-            if engine is None:
-                gather, reduce = self._gathered, self._reduced
-                results = [(gather if op == "all_gather" else reduce)(x, timeout_s) for x in tensors]
-            else:
-                stream = torch.cuda.current_stream(self.device)
-                if not self._agrs.engine_open:
-                    # No peer writes into a window whose dispatch or combine may still be read
-                    if self._comm_stream is not None:
-                        stream.wait_stream(self._comm_stream)
-                    engine.begin_session(stream)
-                    self._agrs.engine_open = True
-                call = engine.all_gather if op == "all_gather" else engine.reduce_scatter
-                results = [call(x, offset, stream) for x, offset in zip(tensors, offsets, strict=True)]
-                return (*results, functools.partial(engine.wait, stream, f"{op}'s data"))
+            self._agree(op, _call_text(tensors), timeout_s, error)
+            self._count(op, tensors)
+            gather, reduce = self._gathered, self._reduced
+            results = [(gather if op == "all_gather" else reduce)(x, timeout_s) for x in tensors]
         return (*results, _completed)
+
+    def _engine_call(self, engine: Any, op: str, t: torch.Tensor | Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        """A call through the backend's engine: no host agreement (the device compares the call's
+        signature with every peer's); a rank that rejects its arguments stops the buffer on every rank."""
+        try:
+            tensors = self._checked_tensors(op, t)
+            offsets = self._count(op, tensors)
+        except (TypeError, ValueError) as rejected:
+            engine.reject(op, rejected)
+            raise
+        signature = zlib.crc32(f"{op}:{_call_text(tensors)}".encode())
+        stream = torch.cuda.current_stream(self.device)
+        if not self._agrs.engine_open:
+            # No peer writes into a window whose dispatch or combine may still be read
+            if self._comm_stream is not None:
+                stream.wait_stream(self._comm_stream)
+            engine.begin_session(stream)
+            self._agrs.engine_open = True
+        call = engine.all_gather if op == "all_gather" else engine.reduce_scatter
+        results = [call(x, offset, stream, signature) for x, offset in zip(tensors, offsets, strict=True)]
+        return (*results, functools.partial(engine.wait, stream, f"{op}'s data"))
 
     def _checked_tensors(self, op: str, t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         tensors = [t] if isinstance(t, torch.Tensor) else list(t)
@@ -306,6 +322,11 @@ class AgrsMixin:
         for source in range(self.num_ranks):
             acc = acc + received[source].float()
         return acc.to(x.dtype)
+
+
+def _call_text(tensors: list[torch.Tensor]) -> str:
+    """What a call's ranks must agree on: its tensors' dtypes and shapes."""
+    return ";".join(f"{x.dtype}{tuple(x.shape)}" for x in tensors)
 
 
 def agree_on_call(buffer: Any, op: str, what: str, timeout_s: float, error: BaseException | None = None) -> None:

@@ -457,7 +457,8 @@ def test_bench_op_agrs_checks_then_times_both_paths_and_writes_json(tmp_path):
     assert {"commit", "command", "hardware", "date", "seed", "rows", "per_rank"} <= set(document)
     # Per size (4 KiB and 64 KiB on CPU ranks), both operations; the CPU path is torch collectives (no CTAs)
     assert [(r["op"], r["bytes_per_rank"]) for r in document["rows"]] == [
-        ("all_gather", 4096), ("reduce_scatter", 4096), ("all_gather", 65536), ("reduce_scatter", 65536)]  # fmt: skip
+        ("all_gather", 4096), ("reduce_scatter", 4096), ("all_gather x8", 4096), ("all_gather", 65536),
+        ("reduce_scatter", 65536), ("all_gather x8", 65536)]  # fmt: skip
     for row in document["rows"]:
         assert row["ours_us"] > 0 and row["torch_us"] > 0 and row["ours_ctas"] is None, row
         assert row["ours_over_torch"] == pytest.approx(row["ours_us"] / row["torch_us"])

@@ -4,9 +4,10 @@ what `deep_ep.agrs` does on torch collectives, and what virtual ranks' groups pr
 
 Every size is checked first: the all-gather bit for bit against the torch collective's, the
 reduce-scatter against a fixed-order FP32 sum of every rank's rows (`deep_ep.agrs`'s contract). Then
-each path is timed per call from entry to its data in place (the wall time of the call and a stream
-synchronisation; an AGRS call includes its agreement and its session's barriers, one session per
-call), median over the iterations, on every rank; a row reports the slowest rank's median. On one
+each path is timed per call from entry to its data in place (the wall time of the call and the wait
+for the device), median over the iterations, on every rank; a row reports the slowest rank's median.
+An AGRS call is timed with its session's barriers, one session per call, and as one of
+`CALLS_PER_SESSION` all-gathers of a session (the session's time over its calls). On one
 GPU the ranks are virtual (`deep_ep.loopback`): their windows share the GPU's memory, so the copies
 show the copy engines' and the host's cost, not NVLink's.
 """
@@ -24,6 +25,7 @@ from .side_ops import run_side_op, wall_us
 # Bytes of one rank's tensor (all-gather input, reduce-scatter output)
 DEFAULT_SIZES = (64 << 10, 1 << 20, 16 << 20)
 DTYPE = torch.bfloat16
+CALLS_PER_SESSION = 8
 
 
 def agrs_bench_rank(rank: int, group: dist.ProcessGroup, sizes: tuple[int, ...], num_iters: int,
@@ -31,7 +33,7 @@ def agrs_bench_rank(rank: int, group: dist.ProcessGroup, sizes: tuple[int, ...],
     """One rank's rows: per size, both operations, ours and torch's, checked then timed."""
     import deep_ep
 
-    num_bytes = deep_ep.ElasticBuffer.get_agrs_buffer_size_hint(group, group.size() * max(sizes))
+    num_bytes = deep_ep.ElasticBuffer.get_agrs_buffer_size_hint(group, CALLS_PER_SESSION * group.size() * max(sizes))
     buffer = deep_ep.ElasticBuffer(group, num_bytes, explicitly_destroy=True)
     gen = torch.Generator().manual_seed(seed * 1009 + rank)
     rows = [row for size in sizes for row in _size_rows(buffer, group, rank, size, gen, num_iters)]
@@ -62,6 +64,12 @@ def _size_rows(buffer: Any, group: dist.ProcessGroup, rank: int, size: int, gen:
             wait()
             return reduced
 
+    def gather_ours_in_session() -> torch.Tensor:
+        with buffer.agrs_new_session():
+            calls = [buffer.all_gather(mine) for _ in range(CALLS_PER_SESSION)]
+            calls[-1][1]()
+            return calls[-1][0]
+
     def gather_torch() -> None:
         dist.all_gather(list(gathered_torch.unbind(0)), mine, group=group)
 
@@ -87,6 +95,12 @@ def _size_rows(buffer: Any, group: dist.ProcessGroup, rank: int, size: int, gen:
         rows.append(dict(op=op, bytes_per_rank=size, ours_us=wall_us(ours, device, num_iters),
                          torch_us=wall_us(theirs, device, num_iters), ours_ctas=ctas,
                          path="copy engines + window" if engine is not None else "torch collectives"))  # fmt: skip
+    if not torch.equal(gather_ours_in_session().view(torch.int16), gathered_torch.view(torch.int16)):
+        raise AssertionError(f"agrs bench, rank {rank}: all_gather of {size} bytes in a session differs from torch's")
+    rows.append(dict(op=f"all_gather x{CALLS_PER_SESSION}", bytes_per_rank=size,
+                     ours_us=wall_us(gather_ours_in_session, device, num_iters) / CALLS_PER_SESSION,
+                     torch_us=rows[0]["torch_us"], ours_ctas=None if engine is None else 1,
+                     path=rows[0]["path"] + f", {CALLS_PER_SESSION} calls per session"))  # fmt: skip
     return rows
 
 

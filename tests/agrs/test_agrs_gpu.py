@@ -1,6 +1,8 @@
 """AGRS on CUDA virtual ranks of one GPU (issue 24): the same checks as on CPU with kernels buffers, whose
 calls move the data with the copy engines into the peers' windows (deep_ep.backends.kernels.agrs); the
-gathered tensors are views of the window; a peer that never copies makes the device wait expire."""
+gathered tensors are views of the window; a peer that never copies makes the device wait expire; with
+no host agreement per call, ranks that call with other shapes fail on the device, and a rank that
+rejects its arguments stops its peers at once."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def _silent_peer_rank(rank: int, group: dist.ProcessGroup) -> str:
     outcome = "no error"
     engine.begin_session(stream)
     if rank == 0:  # the engine alone (no agreement first): rank 1 never copies nor sets its flag
-        engine.all_gather(torch.ones(1024, device="cuda"), 0, stream)
+        engine.all_gather(torch.ones(1024, device="cuda"), 0, stream, signature=1)
         try:
             buffer.backend.runtime.wait(stream, "the all-gather")
         except deep_ep.EPTimeoutError as error:
@@ -71,3 +73,35 @@ def _dispatch_in_session_rank(rank: int, group: dist.ProcessGroup) -> str:
 def test_a_dispatch_inside_a_session_with_data_in_the_window_is_refused() -> None:
     outcomes = LoopbackWorld(2).run(_dispatch_in_session_rank)
     assert all("holds the open AGRS session's data" in o for o in outcomes), outcomes
+
+
+def _disagreeing_rank(rank: int, group: dist.ProcessGroup, how: str) -> str:
+    buffer = deep_ep.ElasticBuffer(group, 4 << 20, backend="kernels", num_gpu_timeout_secs=20, explicitly_destroy=True)
+    outcome = "no error"
+    started = time.monotonic()
+    try:
+        with buffer.agrs_new_session():
+            buffer.all_gather(torch.ones(64, device="cuda"))[1]()  # one call that agrees
+            if how == "shape":  # rank 1 gathers more elements: another signature
+                x = torch.ones(64 * (1 + rank), device="cuda")
+            else:  # rank 1 passes a strided tensor: it rejects its arguments
+                x = torch.ones((64, 2), device="cuda")[:, 0] if rank == 1 else torch.ones(64, device="cuda")
+            buffer.all_gather(x)[1]()
+    except deep_ep.EPError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    except ValueError as error:
+        outcome = f"ValueError: {error}"
+    outcome += f" | after {time.monotonic() - started:.1f} s"
+    dist.barrier(group=group)
+    buffer.destroy()
+    return outcome
+
+
+def test_ranks_that_call_with_other_shapes_fail_on_the_device_and_a_rejection_stops_every_rank() -> None:
+    shape = LoopbackWorld(2).run(_disagreeing_rank, "shape")
+    assert all(o.startswith("EPOperationMismatchError") and "ran a different operation" in o for o in shape), shape
+    rejected = LoopbackWorld(2).run(_disagreeing_rank, "strided")
+    assert rejected[1].startswith("ValueError: all_gather: `t` must be contiguous"), rejected
+    assert rejected[0].startswith("EPPeerError") and "must be contiguous" in rejected[0], rejected
+    # Both within far less than the 20 s device deadline: nobody waited for it
+    assert all(float(o.rsplit("after ", 1)[1].split()[0]) < 10 for o in shape + rejected), (shape, rejected)

@@ -5,9 +5,11 @@ A session's calls take consecutive blocks of the window's data region (the sessi
 every peer's window, at the place that peer's block keeps for this rank: all of it for an
 all-gather, row `p` to rank `p` for a reduce-scatter. Then one small kernel on the same stream
 tells each peer that the copies are complete (a flag per source in the workspace, set to the
-call's number) and waits, with the device deadline, for every peer's flag: an all-gather's output
-is then the block itself, a view of the window; a reduce-scatter's kernel then sums the rows it
-received. So an all-gather uses no SM to move data, and a reduce-scatter only for its sum.
+call's signature and number) and waits, with the device deadline, for every peer's flag: an
+all-gather's output is then the block itself, a view of the window; a reduce-scatter's kernel then
+sums the rows it received. So an all-gather uses no SM to move data, and a reduce-scatter only for
+its sum. The host agrees on nothing per call: a peer whose call had other shapes or dtypes (another
+signature) fails the buffer on the device (`EPOperationMismatchError`).
 
 A session begins and ends with a barrier on the stream, across the ranks: before it no peer
 writes into a window whose dispatch or combine may still be read, after it no dispatch writes into
@@ -44,7 +46,7 @@ class NvlinkAgrs:
 
     def __init__(self, runtime: NvlinkRuntime) -> None:
         self.runtime = runtime
-        self._sequence = 0  # the calls so far; every rank counts the same (the calls agree first)
+        self._sequence = 0  # the calls so far: every rank counts the same (the flags' signatures check it)
 
     @property
     def num_region_bytes(self) -> int:
@@ -57,6 +59,11 @@ class NvlinkAgrs:
         self.runtime.share.load([specs.agrs_spec(element) for element in specs.AGRS_ELEMENTS])
         self.runtime.barrier(stream)
 
+    def reject(self, op: str, error: BaseException) -> None:
+        """This rank rejected the arguments of a call its peers may be making: stop the buffer on every
+        rank now (their waits raise `EPPeerError` with `error`'s text) instead of at their deadline."""
+        self.runtime.post_fault(op, error)
+
     def end_session(self, stream: torch.cuda.Stream) -> None:
         """Close a session on `stream` (collective): its barrier, waited for on the host."""
         self.runtime.barrier(stream)
@@ -68,20 +75,22 @@ class NvlinkAgrs:
         blocks inside the driver, so a virtual rank waiting here never holds back a peer's launch."""
         self.runtime.wait(stream, what)
 
-    def all_gather(self, x: torch.Tensor, offset: int, stream: torch.cuda.Stream) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, offset: int, stream: torch.cuda.Stream, signature: int) -> torch.Tensor:
         """Gather every rank's `x` into the session's block at `offset`; returns the block as
-        `[num_ranks, *x.shape]` of `x.dtype`, a view of this rank's window."""
+        `[num_ranks, *x.shape]` of `x.dtype`, a view of this rank's window. `signature`: the call's
+        (32 bits), which every peer's must equal."""
         runtime = self.runtime
         num_bytes = x.numel() * x.element_size()
         block = self._block(offset, runtime.num_ranks * num_bytes, "all_gather")
         self._copy_to_peers(stream, lambda peer: (block + runtime.rank * num_bytes, data_ptr(x), num_bytes))
-        self._launch(stream, None, 1, 0, 0, 0)
+        self._launch(stream, None, 1, 0, 0, 0, signature)
         gathered = runtime.windows.bytes[block : block + runtime.num_ranks * num_bytes]
         return gathered.view(x.dtype).view(runtime.num_ranks, *x.shape)
 
-    def reduce_scatter(self, x: torch.Tensor, offset: int, stream: torch.cuda.Stream) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, offset: int, stream: torch.cuda.Stream, signature: int) -> torch.Tensor:
         """Send row `p` of `x` (`[num_ranks, *S]`) to rank `p` into the session's block at `offset`
-        and sum the rows the ranks sent us; returns `[*S]` of `x.dtype` (a new tensor)."""
+        and sum the rows the ranks sent us; returns `[*S]` of `x.dtype` (a new tensor). `signature`:
+        as `all_gather`'s."""
         runtime = self.runtime
         num_elements = x[0].numel()
         row_bytes = num_elements * x.element_size()
@@ -91,7 +100,7 @@ class NvlinkAgrs:
         out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
         num_ctas = reduce_ctas(num_elements)
         self._launch(stream, ELEMENT_NAMES[x.dtype], num_ctas, data_ptr(runtime.windows.bytes) + block,
-                     data_ptr(out), num_elements)  # fmt: skip
+                     data_ptr(out), num_elements, signature)  # fmt: skip
         return out
 
     # ---------------------------------------------------------------- the steps of a call
@@ -121,7 +130,7 @@ class NvlinkAgrs:
                 jit_driver.check(cuda.cuMemcpyAsync(base + dst_offset, src, num_bytes, handle), "cuMemcpyAsync")
 
     def _launch(self, stream: torch.cuda.Stream, element: str | None, num_ctas: int, rows: int, out: int,
-                num_elements: int) -> None:  # fmt: skip
+                num_elements: int, signature: int) -> None:  # fmt: skip
         runtime = self.runtime
         runtime.check_error()
         (kernel,) = runtime.share.load([specs.agrs_spec(element)])
@@ -129,6 +138,6 @@ class NvlinkAgrs:
         self._sequence = (self._sequence + 1 + 2**31) % 2**32 - 2**31
         args = specs.AgrsArgs(window=runtime.windows.ptr, error_block=data_ptr(runtime.error_block),
                               timeout_ns=runtime.timeout_ns, rows=rows, out=out, num_elements=num_elements,
-                              sequence=self._sequence, rank=runtime.rank,
-                              num_ranks=runtime.num_ranks)  # fmt: skip
+                              sequence=self._sequence, rank=runtime.rank, num_ranks=runtime.num_ranks,
+                              signature=signature)  # fmt: skip
         kernel.launch(grid=(num_ctas,), block=(specs.AGRS_THREADS,), stream=stream, args=(Opaque(bytes(args)),))

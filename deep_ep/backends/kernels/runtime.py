@@ -112,7 +112,7 @@ def describe_fault(words: dict[str, int], timeout_s: float, num_ranks_per_node: 
         text = f"{who(peer)} ran a different operation than rank {rank}"
         if words["channel"] >= 0:  # recorded where it was found (a peer's posted fault carries no words)
             text += f" (signature {words['observed'] & 0xFFFFFFFF:#x}, expected {words['expected'] & 0xFFFFFFFF:#x})"
-        text += ": the ranks' sequences of dispatches and combines diverged"
+        text += ": the ranks' sequences of operations (dispatches, combines, AGRS calls and their shapes) diverged"
     elif rank == peer and words["phase"] != HOST_ERROR_PHASE:
         text = f"{phase} timed out on {who(rank)} after {timeout_s:g} s"
     else:

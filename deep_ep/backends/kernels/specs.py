@@ -255,6 +255,7 @@ class AgrsArgs(ctypes.Structure):
         ("sequence", ctypes.c_int),
         ("rank", ctypes.c_int),
         ("num_ranks", ctypes.c_int),
+        ("signature", ctypes.c_uint32),
     ]
 
 

@@ -74,13 +74,16 @@ constexpr int64_t kFaultForwardedOffset = kNumScaleupRanksOffset + 4;
 // At most this many staging entries per warp in a combine's ring (0: as many as the ring holds; tests
 // make entries few, so that a warp reuses them within a kernel)
 constexpr int64_t kStagingEntriesCapOffset = kFaultForwardedOffset + 4;
-// AGRS sessions (kernels/agrs.cuh): per source rank, the number of the last all-gather or
-// reduce-scatter whose data that source has copied into this window (int32, written by its kernel)
+// AGRS sessions (kernels/agrs.cuh): per source rank, two 64-bit flags, the calls of even and odd
+// numbers: the call's signature (high 32 bits) and number (low 32) whose data that source has
+// copied into this window, written by its kernel
 constexpr int64_t kAgrsFlagOffset = align_up(kStagingEntriesCapOffset + 4, int64_t(16));
+constexpr int kAgrsFlagsPerRank = 2;
 // Senders publish how many of their tokens go to each of our local experts, so no receiver-side
 // pass over the records is needed to count them.
 constexpr int64_t kRecvExpertCountOffset = 128 * 1024;
-static_assert(kAgrsFlagOffset + kMaxRanks * 4 <= kRecvExpertCountOffset, "the workspace's words overlap");
+static_assert(kAgrsFlagOffset + kMaxRanks * kAgrsFlagsPerRank * 8 <= kRecvExpertCountOffset,
+              "the workspace's words overlap");
 // Arrival counters: how many records (dispatch) or rows (combine) of each block of
 // `arrival_block` slots have landed here from each source. The sender adds to them after a
 // release fence once per task (tasks.cuh), so the receiver's epilogue can copy or reduce the rows

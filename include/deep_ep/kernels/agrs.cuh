@@ -3,11 +3,17 @@
 // The device half of an AGRS call inside one NVLink domain (deep_ep/backends/kernels/agrs.py). The
 // host has queued, on the same stream before this kernel, copy-engine copies of this rank's data
 // into every peer's window; the kernel starts once they are complete. CTA 0 then tells each peer so
-// (a release store of the call's number into the peer's flag for us), and every CTA waits, with a
-// deadline, until each peer's flag for us has reached the call's number: the peers' copies into
-// our window are complete. An all-gather (`Element` void) ends there: its output is the window's
-// block. A reduce-scatter then sums, for each element, the row every rank sent us, in FP32 from
-// +0.0 in ascending rank order, and rounds once (the reference's order: the same bits).
+// (a release store of the call's signature and number into the peer's flag for us), and every CTA
+// waits, with a deadline, until each peer's flag for us has reached the call's number: the peers'
+// copies into our window are complete. A peer whose call has another signature (other shapes or
+// dtypes: the host agrees on nothing) fails the buffer as an operation mismatch. An all-gather
+// (`Element` void) ends there: its output is the window's block. A reduce-scatter then sums, for
+// each element, the row every rank sent us, in FP32 from +0.0 in ascending rank order, and rounds
+// once (the reference's order: the same bits).
+//
+// Two flags per peer, for calls of even and odd numbers: a peer runs at most one call ahead of us
+// (its next wait needs our flag of that call, set only after this kernel), so while we wait for call
+// `k` the flag of `k`'s parity holds `k - 2` or `k`, and then `k`'s signature.
 
 #include <cstdint>
 #include <type_traits>
@@ -30,6 +36,7 @@ struct AgrsArgs {
     int sequence;          // the call's number: every peer's flag for us reaches it
     int rank;
     int num_ranks;
+    uint32_t signature;  // the call's shapes and dtypes (a hash): every peer's must be the same
 };
 
 __device__ __forceinline__ float agrs_to_float(float value) {
@@ -48,22 +55,32 @@ __device__ __forceinline__ void agrs_store(__nv_bfloat16* out, float value) {
 template <typename Element, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) agrs_impl(AgrsArgs args) {
     const FaultSink fault = make_fault_sink(args.window, args.error_block);
-    int* const flags = reinterpret_cast<int*>(args.window + kAgrsFlagOffset);
+    const int parity = args.sequence & 1;
+    const uint64_t* flags = reinterpret_cast<const uint64_t*>(args.window + kAgrsFlagOffset);
     const int peer = static_cast<int>(threadIdx.x);
     if (blockIdx.x == 0 and peer < args.num_ranks and peer != args.rank) {
         // Our copies to every peer are complete (stream order): one system fence, then the flags
         void* const* peer_windows = reinterpret_cast<void* const*>(args.window + kPeerWindowsOffset);
+        uint64_t* peer_flags = reinterpret_cast<uint64_t*>(static_cast<char*>(peer_windows[peer]) + kAgrsFlagOffset);
         fence_acq_rel_sys();
-        st_release_sys(reinterpret_cast<int*>(static_cast<char*>(peer_windows[peer]) + kAgrsFlagOffset) + args.rank,
-                       args.sequence);
+        st_relaxed_sys_u64(peer_flags + args.rank * kAgrsFlagsPerRank + parity,
+                           static_cast<uint64_t>(args.signature) << 32 | static_cast<uint32_t>(args.sequence));
     }
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
     __syncthreads();
-    if (peer < args.num_ranks and peer != args.rank and
-        not wait_counter(flags + peer, args.sequence, fault, kPhaseAgrsArrival, args.rank, peer, blockIdx.x,
-                         args.timeout_ns))
-        failed = 1;
+    if (peer < args.num_ranks and peer != args.rank) {
+        const uint64_t* flag = flags + peer * kAgrsFlagsPerRank + parity;
+        if (not wait_counter(flag, args.sequence, fault, kPhaseAgrsArrival, args.rank, peer, blockIdx.x,
+                             args.timeout_ns)) {
+            failed = 1;
+        } else if (const uint32_t theirs = static_cast<uint32_t>(ld_acquire_sys(flag) >> 32);
+                   theirs != args.signature) {
+            fault.report_timeout(kPhaseOpMismatch, args.rank, peer, blockIdx.x, static_cast<int>(theirs),
+                                 static_cast<int>(args.signature));
+            failed = 1;
+        }
+    }
     // The acquires above and the barrier make every peer's copies visible to the whole CTA
     __syncthreads();
     if constexpr (not std::is_void_v<Element>) {
