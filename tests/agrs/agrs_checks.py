@@ -76,3 +76,47 @@ def agrs_rank(rank: int, group: dist.ProcessGroup, seed: int, backend: str) -> d
     out["sizes"] = (buffer.get_agrs_num_max_session_bytes(group, (5, 24), torch.bfloat16), num_bytes)
     buffer.destroy()
     return out
+
+
+def random_schedule_rank(rank: int, group: dist.ProcessGroup, seed: int, backend: str) -> int:
+    """Random sessions (the same schedule on every rank, from `seed`): each makes 1 to 6 calls of
+    random kinds, dtypes and shapes back to back and waits only at its end, so that ranks run calls
+    ahead of each other; every result is checked bit for bit against brute force. Returns the calls."""
+    import random
+
+    device = group_device(group)
+    num_ranks = group.size()
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed * 7919 + rank)
+    buffer = deep_ep.ElasticBuffer(group, 8 << 20, backend=backend, explicitly_destroy=True)
+    num_calls = 0
+    for _ in range(rng.randint(2, 4)):
+        made = []
+        with buffer.agrs_new_session():
+            for _ in range(rng.randint(1, 6)):
+                kind = rng.choice(["gather", "batched", "reduce"])
+                if kind == "reduce":
+                    dtype = rng.choice([torch.bfloat16, torch.float32])
+                    shape = (num_ranks, rng.randint(1, 9), rng.choice([1, 7, 8, 40]))
+                    x = _random(shape, dtype, gen).to(device)
+                    made.append((kind, [x], buffer.reduce_scatter(x)))
+                else:
+                    dtype = rng.choice(GATHER_DTYPES)
+                    shapes = [(rng.randint(1, 5), rng.choice([3, 16, 64])) for _ in range(1 if kind == "gather" else 3)]
+                    xs = [_random(s, dtype, gen).to(device) for s in shapes]
+                    made.append((kind, xs, buffer.all_gather(xs[0] if kind == "gather" else xs)))
+            made[-1][2][-1]()  # the session's last call's wait covers the earlier ones (stream order)
+            for kind, xs, result in made:
+                everyone = gather_to_all(xs, group)
+                for index, out in enumerate(result[:-1]):
+                    if kind == "reduce":
+                        acc = torch.zeros(out.shape)
+                        for source in range(num_ranks):
+                            acc = acc + everyone[source][0][rank].float()
+                        assert_bitwise(out, acc.to(out.dtype), f"seed {seed}: reduce_scatter {tuple(xs[0].shape)}")
+                    else:
+                        expected = torch.stack([everyone[r][index] for r in range(num_ranks)])
+                        assert_bitwise(out, expected, f"seed {seed}: all_gather ({kind}) {tuple(xs[index].shape)}")
+                num_calls += 1
+    buffer.destroy()
+    return num_calls

@@ -1,5 +1,5 @@
 """AGRS on CPU ranks (issue 24, the reference part): all-gather and reduce-scatter bit for bit against
-brute force on 2 and 4 virtual ranks, the session rules, disagreeing ranks, and a stalled peer
+brute force on 2 and 4 virtual ranks, random session schedules, the session rules, disagreeing ranks, and a stalled peer
 (`EPTimeoutError`, on 2 gloo processes)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from agrs_checks import agrs_rank
+from agrs_checks import agrs_rank, random_schedule_rank
 
 import deep_ep
 from deep_ep.errors import EPPeerError, EPTimeoutError
@@ -17,6 +17,13 @@ from deep_ep.loopback import LoopbackWorld
 from deep_ep.utils.spawn import spawn_ranks
 
 TWO_MIB = 2 << 20
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_random_session_schedules_are_bitwise(num_ranks: int) -> None:
+    seed = time.time_ns() % 1_000_000
+    calls = LoopbackWorld(num_ranks, device="cpu").run(random_schedule_rank, seed, "reference")
+    assert calls[0] >= 2 and len(set(calls)) == 1, (seed, calls)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 4])

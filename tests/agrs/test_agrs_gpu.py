@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from agrs_checks import agrs_rank
+from agrs_checks import agrs_rank, random_schedule_rank
 
 import deep_ep
 from deep_ep.backends.kernels.agrs import NvlinkAgrs
@@ -26,6 +26,13 @@ def test_all_gather_and_reduce_scatter_on_virtual_ranks(num_ranks: int) -> None:
     outcomes = LoopbackWorld(num_ranks).run(agrs_rank, seed, "kernels")
     assert num_ranks < 3 or sum(o["order_differs"] for o in outcomes) > 0, (seed, outcomes)
     assert all(o["window_views"] for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_random_session_schedules_with_calls_ahead_are_bitwise(num_ranks: int) -> None:
+    seed = time.time_ns() % 1_000_000
+    calls = LoopbackWorld(num_ranks).run(random_schedule_rank, seed, "kernels")
+    assert calls[0] >= 2 and len(set(calls)) == 1, (seed, calls)
 
 
 def _silent_peer_rank(rank: int, group: dist.ProcessGroup) -> str:
