@@ -14,6 +14,7 @@ import torch.distributed as dist
 from oracle import assert_bitwise, gather_to_all
 
 import deep_ep
+from deep_ep.backends.kernels import specs
 from deep_ep.backends.kernels.engram import NvlinkEngram
 from deep_ep.backends.kernels.links import NicOptions
 from deep_ep.host_reads import wait_for_stream
@@ -78,3 +79,25 @@ def test_entries_of_other_nodes_are_fetched_by_the_transport_get(num_nodes: int,
     assert all(len(checked) == 5 for checked in outcomes), (seed, outcomes)
     # Every rank fetched rows of other nodes (at random: 147 rows of 4 tables, from 1/2 to 3/4 remote)
     assert all(int(checked[-1].split()[-1]) > 0 for checked in outcomes), (seed, outcomes)
+
+
+def _silent_writer_rank(rank: int, group: dist.ProcessGroup) -> str:
+    buffer = deep_ep.ElasticBuffer(group, 4 << 20, backend="kernels", num_gpu_timeout_secs=2, explicitly_destroy=True)
+    engine = buffer.backend.engram()
+    # Kernels loaded by both ranks first (virtual ranks load together), then rank 1 sits out the write
+    buffer.barrier()
+    engine.runtime.share.load([specs.engram_fetch_spec(index) for index in specs.ENGRAM_INDEX_TYPES])
+    outcome = "no error"
+    if rank == 0:  # the engine alone (no agreement first): rank 1 never reaches the write's barrier
+        try:
+            engine.write(torch.ones((8, 64), dtype=torch.bfloat16, device="cuda"), torch.cuda.current_stream(), "w")
+        except deep_ep.EPTimeoutError as error:
+            outcome = str(error)
+    dist.barrier(group=group)
+    buffer.destroy()
+    return outcome
+
+
+def test_a_peer_that_never_writes_its_shard_makes_the_write_time_out() -> None:
+    outcomes = LoopbackWorld(2).run(_silent_writer_rank)
+    assert "barrier timed out on rank 0 waiting for rank 1" in outcomes[0], outcomes
