@@ -147,8 +147,8 @@ class EngramMixin:
                     )
             if written.engine is not None:
                 data = torch.empty((flat.numel(), written.hidden), dtype=written.dtype, device=self.device)
-                flat_indices = indices.reshape(-1) if indices.is_contiguous() else indices.contiguous().reshape(-1)
-                written.engine.fetch(flat_indices, data, torch.cuda.current_stream(self.device))
+                # reshape copies only a non-contiguous `indices`: the kernel reads a flat array
+                written.engine.fetch(indices.reshape(-1), data, torch.cuda.current_stream(self.device))
             else:
                 data = written.table.index_select(0, flat)
             scales = written.scales

@@ -20,8 +20,6 @@ deadline, raising what the device recorded), and the session's end waits for its
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from deep_ep.jit import Opaque
@@ -82,7 +80,9 @@ class NvlinkAgrs:
         runtime = self.runtime
         num_bytes = x.numel() * x.element_size()
         block = self._block(offset, runtime.num_ranks * num_bytes, "all_gather")
-        self._copy_to_peers(stream, lambda peer: (block + runtime.rank * num_bytes, data_ptr(x), num_bytes))
+        # Every rank's block gets our tensor at our place in it (ours included)
+        runtime.copy_async(stream, [(base + block + runtime.rank * num_bytes, data_ptr(x), num_bytes)
+                                    for base in runtime.windows.peer_ptrs])  # fmt: skip
         self._launch(stream, None, 1, 0, 0, 0, signature)
         gathered = runtime.windows.bytes[block : block + runtime.num_ranks * num_bytes]
         return gathered.view(x.dtype).view(runtime.num_ranks, *x.shape)
@@ -95,8 +95,9 @@ class NvlinkAgrs:
         num_elements = x[0].numel()
         row_bytes = num_elements * x.element_size()
         block = self._block(offset, runtime.num_ranks * row_bytes, "reduce_scatter")
-        self._copy_to_peers(stream, lambda peer: (block + runtime.rank * row_bytes, data_ptr(x) + peer * row_bytes,
-                                                  row_bytes))  # fmt: skip
+        # Rank p's block gets our row p at our place in it (ours included)
+        runtime.copy_async(stream, [(base + block + runtime.rank * row_bytes, data_ptr(x) + peer * row_bytes, row_bytes)
+                                    for peer, base in enumerate(runtime.windows.peer_ptrs)])  # fmt: skip
         out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
         num_ctas = reduce_ctas(num_elements)
         self._launch(stream, ELEMENT_NAMES[x.dtype], num_ctas, data_ptr(runtime.windows.bytes) + block,
@@ -114,20 +115,6 @@ class NvlinkAgrs:
                 "size the buffer with get_agrs_buffer_size_hint"
             )
         return WORKSPACE_BYTES + offset
-
-    def _copy_to_peers(self, stream: torch.cuda.Stream, part: Callable[[int], tuple[int, int, int]]) -> None:
-        """Copy, with the copy engines, `part(peer)` = (offset in the peer's window, source address,
-        bytes) to every rank, ourselves included, on `stream`."""
-        from cuda.bindings import driver as cuda
-
-        from deep_ep.jit import driver as jit_driver
-
-        runtime = self.runtime
-        handle = cuda.CUstream(stream.cuda_stream)
-        with jit_driver.current_context(runtime.windows.bytes.device.index):
-            for peer, base in enumerate(runtime.windows.peer_ptrs):
-                dst_offset, src, num_bytes = part(peer)
-                jit_driver.check(cuda.cuMemcpyAsync(base + dst_offset, src, num_bytes, handle), "cuMemcpyAsync")
 
     def _launch(self, stream: torch.cuda.Stream, element: str | None, num_ctas: int, rows: int, out: int,
                 num_elements: int, signature: int) -> None:  # fmt: skip

@@ -81,7 +81,7 @@ class NvlinkPp:
         if number > self.num_slots:
             self._launch("send_wait", stream, dst, number, num_bytes)
         slot = self._slot_offset(receiver=dst, source=runtime.rank, number=number)
-        self._copy(runtime.windows.peer_ptrs[dst] + slot, data_ptr(t), num_bytes, stream)
+        runtime.copy_async(stream, [(runtime.windows.peer_ptrs[dst] + slot, data_ptr(t), num_bytes)])
         self._launch("send_signal", stream, dst, number, num_bytes)
         self._num_sent[dst] = number
 
@@ -92,7 +92,7 @@ class NvlinkPp:
         num_bytes = t.numel() * t.element_size()
         self._launch("recv_wait", stream, src, number, num_bytes)
         slot = self._slot_offset(receiver=runtime.rank, source=src, number=number)
-        self._copy(data_ptr(t), runtime.windows.peer_ptrs[runtime.rank] + slot, num_bytes, stream)
+        runtime.copy_async(stream, [(data_ptr(t), runtime.windows.peer_ptrs[runtime.rank] + slot, num_bytes)])
         self._launch("recv_free", stream, src, number, num_bytes)
         self._num_received[src] = number
 
@@ -113,18 +113,6 @@ class NvlinkPp:
         position = source - (source > receiver)
         slot_idx = position * self.num_slots + (number - 1) % self.num_slots
         return self.region_offset + ring_header_bytes(self.num_slots) + slot_idx * self.slot_bytes
-
-    def _copy(self, dst: int, src: int, num_bytes: int, stream: torch.cuda.Stream) -> None:
-        """A copy-engine copy of `num_bytes` on `stream` (none for an empty tensor)."""
-        if num_bytes == 0:
-            return
-        from cuda.bindings import driver as cuda
-
-        from deep_ep.jit import driver as jit_driver
-
-        with jit_driver.current_context(self.runtime.windows.bytes.device.index):
-            copied = cuda.cuMemcpyAsync(dst, src, num_bytes, cuda.CUstream(stream.cuda_stream))
-        jit_driver.check(copied, "cuMemcpyAsync")
 
     def _launch(self, step: str, stream: torch.cuda.Stream, peer: int, number: int, num_bytes: int) -> None:
         runtime = self.runtime

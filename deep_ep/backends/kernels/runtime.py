@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,6 +367,19 @@ class NvlinkRuntime:
             copied = cuda.cuMemcpyDtoHAsync(data_ptr(staged), source, staged.numel(), self._fault_stream_handle)
         jit_driver.check(copied, "cuMemcpyDtoHAsync")
         wait_for_stream(self._fault_stream, timeout_s=self.cpu_timeout_s)
+
+    def copy_async(self, stream: torch.cuda.Stream, copies: Iterable[tuple[int, int, int]]) -> None:
+        """Queue copy-engine copies `(dst, src, num_bytes)` between device addresses (our window, a
+        peer's, a tensor) on `stream`; empty ones are skipped. AGRS and PP move their data so, no SM."""
+        from cuda.bindings import driver as cuda
+
+        from deep_ep.jit import driver as jit_driver
+
+        handle = cuda.CUstream(stream.cuda_stream)
+        with jit_driver.current_context(self.windows.bytes.device.index):
+            for dst, src, num_bytes in copies:
+                if num_bytes:
+                    jit_driver.check(cuda.cuMemcpyAsync(dst, src, num_bytes, handle), "cuMemcpyAsync")
 
     def fail_between_launches(self, op: str, error: BaseException) -> None:
         """Mark the buffer dead: `op` raised `error` after its first kernel was launched."""
