@@ -346,6 +346,8 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             self._comm_stream = (
                 world.comm_stream(self.rank_idx) if world is not None else shared_comm_stream(self.device)
             )
+        # Calls of shapes seen before, replayed without the Python path (the kernels backend's `steady`)
+        self._steady = self.backend.steady_path(self._comm_stream, self.buffer_id)
         # Handles share it: one that outlives this buffer can say why it works nowhere
         self._lifetime = BufferLifetime()
         self._origin = BufferOrigin(
@@ -464,6 +466,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                 "destroy: needs a buffer created with `explicitly_destroy`=True, got explicitly_destroy=False"
             )
         if self.backend is not None:
+            self._steady = None
             self.backend.destroy()
             self.backend = None
             self._lifetime.end("destroyed")
@@ -719,6 +722,20 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             handle: the `EPHandle` (the given one for a cached dispatch).
             event: an `EventOverlap` marking the end of the communication.
         """
+        steady, key = self._steady, None
+        if steady is not None:
+            key = steady.dispatch_key(
+                x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
+                expert_alignment, num_sms, num_qps, previous_event, previous_event_before_epilogue,
+                async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync, do_expand,
+                do_zero_padding, use_tma_aligned_col_major_sf,
+            )  # fmt: skip
+            entry = steady.entries.get(key) if key is not None else None
+            if entry is not None and self._failure is None and not self._agrs.engine_open:
+                inputs = steady.dispatch_inputs(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle)
+                done = self._run("dispatch", lambda: steady.dispatch(entry, inputs, previous_event, handle))
+                if done is not None:
+                    return done
         backend = self._live_backend("dispatch")
 
         def check() -> tuple[DispatchRequest, bool]:
@@ -754,7 +771,12 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         request, do_handle_copy = self._checked("dispatch", backend, check)
 
         def run() -> tuple[Any, tuple, tuple]:
-            result = backend.dispatch(request)
+            recorder = steady.start(key) if steady is not None else None
+            try:
+                result = backend.dispatch(request)
+            finally:
+                if recorder is not None:
+                    steady.stop()
             out_handle = handle
             if out_handle is None:
                 out_handle = EPHandle(
@@ -800,6 +822,10 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                     out_handle.psum_num_recv_tokens_per_expert, out_handle.num_unaligned_recv_tokens_per_expert,
                     out_handle.recv_src_metadata, out_handle.dst_buffer_slot_idx,
                 )  # fmt: skip
+            if recorder is not None:
+                steady.record_dispatch(key, recorder, steady.dispatch_inputs(x, topk_idx, topk_weights,
+                                       cumulative_local_expert_recv_stats, handle), result, out_handle, handle is None,
+                                       do_handle_copy, request)  # fmt: skip
             return (result, out_handle), inputs, outputs
 
         (result, handle), event = self._communicate(
@@ -845,6 +871,17 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             combined_topk_weights: `[T, K]` `torch.float32` (the holders' weights, `0` on `-1` lanes), or `None`.
             event: an `EventOverlap` marking the end of the communication.
         """
+        steady, key = self._steady, None
+        if steady is not None:
+            key = steady.combine_key(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
+                                     previous_event_before_epilogue, async_with_compute_stream,
+                                     allocate_on_comm_stream)  # fmt: skip
+            entry = steady.entries.get(key) if key is not None else None
+            if entry is not None and self._failure is None and not self._agrs.engine_open:
+                inputs = steady.combine_inputs(x, handle, topk_weights, bias)
+                done = self._run("combine", lambda: steady.combine(entry, inputs, previous_event))
+                if done is not None:
+                    return done
         backend = self._live_backend("combine")
 
         def check() -> CombineRequest:
@@ -868,7 +905,16 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         request = self._checked("combine", backend, check)
 
         def run() -> tuple[Any, tuple, tuple]:
-            result = backend.combine(request)
+            recorder = steady.start(key) if steady is not None else None
+            try:
+                result = backend.combine(request)
+            finally:
+                if recorder is not None:
+                    steady.stop()
+            if recorder is not None:
+                steady.record_combine(
+                    key, recorder, steady.combine_inputs(x, handle, topk_weights, bias), result, request
+                )
             inputs = (request.x, request.topk_weights, request.bias_0, request.bias_1)
             return result, inputs, (result.combined_x, result.combined_topk_weights)
 

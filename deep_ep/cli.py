@@ -441,6 +441,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config.graphs = config.graphs and not args.no_graphs
     config.breakdown = args.breakdown
     config.host_profile = args.profile
+    config.host_soak_calls = args.soak or 0
+    if args.soak and not args.host:
+        raise ValueError("bench: `--soak` repeats the calls of `--host`; add --host")
     config.hot_fraction = args.hot_fraction
     if args.profile and not args.host:
         raise ValueError("bench: `--profile` profiles the calls of `--host`; add --host")
@@ -564,6 +567,9 @@ def register_bench(subparsers: Any) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="with --host: profile the first rank's calls and print where their host time goes, by "
                              "area and by function (deep_ep.bench.host_profile)")  # fmt: skip
+    parser.add_argument("--soak", type=_positive_int, default=None, metavar="N",
+                        help="with --host: after the timed calls, N more of each operation, and the device memory "
+                             "allocated before and after them (growth means a leak)")  # fmt: skip
     parser.add_argument("--nodes", type=int, default=None, metavar="N",
                         help="instead of bandwidth: split the virtual ranks of one GPU into N virtual nodes and "
                              "count the bytes per token that cross the emulated NIC between them, measured in "

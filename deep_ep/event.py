@@ -49,7 +49,8 @@ class EventHandle:
     """A CUDA event recorded on a stream (V2's `EventHandle`); a completed placeholder without CUDA.
 
     Attributes:
-        event: the `torch.cuda.Event`, or `None` when there is no CUDA.
+        event: the `torch.cuda.Event` (or an event with its interface, see `of`), or `None` when there
+            is no CUDA.
     """
 
     def __init__(self, stream: torch.cuda.Stream | None = None, use_cuda: bool | None = None) -> None:
@@ -61,20 +62,29 @@ class EventHandle:
         """
         if use_cuda is None:
             use_cuda = stream is not None or torch.cuda.is_available()
-        self.event: torch.cuda.Event | None = None
+        self.event: Any = None  # a torch.cuda.Event, or a steady call's (see `of`)
         if use_cuda:
             self.event = torch.cuda.Event()
             self.event.record(stream if stream is not None else torch.cuda.current_stream())
 
+    @classmethod
+    def of(cls, event: Any) -> EventHandle:
+        """Wrap an event recorded already: a `torch.cuda.Event`, or the steady path's own
+        (`deep_ep.backends.kernels.steady`), which has the `wait`, `query`, `synchronize` and
+        `cuda_event` of torch's."""
+        handle = cls.__new__(cls)
+        handle.event = event
+        return handle
+
     def current_stream_wait(self) -> None:
         """Make the current CUDA stream wait for the event (no-op without CUDA)."""
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            self.event.wait()
 
     def stream_wait(self, stream: torch.cuda.Stream | None) -> None:
         """Make `stream` wait for the event (no-op without CUDA or without a stream)."""
         if self.event is not None and stream is not None:
-            stream.wait_event(self.event)
+            self.event.wait(stream)
 
     def query(self) -> bool:
         """Return whether the work before the event has completed."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .args import F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, Bool, Opaque, Pointer
+from .args import F32, F64, I8, I16, I32, I64, U8, U16, U32, U64, Bool, Opaque, Pointer, param_bytes
 from .build import compile_spec, plan_build
 from .cache import CacheEntry, stats
 from .compiler import Arch, resolve_arch
@@ -36,6 +36,7 @@ from .nccl_headers import check_versions as check_nccl_versions
 from .nccl_headers import runtime_version as nccl_runtime_version
 from .ninja_build import compile_many
 from .spec import KernelSpec
+from .torch_ext import build_torch_extension, load_torch_extension
 
 # Names whose module imports cuda.bindings: loaded on first access (PEP 562).
 _LAZY = {
@@ -71,6 +72,7 @@ __all__ = [
     "Pointer",
     "PtxasCheckError",
     "build_host_library",
+    "build_torch_extension",
     "check_nccl_versions",
     "compile_many",
     "compile_spec",
@@ -78,8 +80,10 @@ __all__ = [
     "get_kernel",
     "load_host_library",
     "load_kernel",
+    "load_torch_extension",
     "measure_launch_overhead",
     "nccl_runtime_version",
+    "param_bytes",
     "plan_build",
     "resolve_arch",
     "stats",

@@ -234,6 +234,22 @@ _data = operator.attrgetter("data")
 _data_ptr = operator.methodcaller("data_ptr")
 
 
+def param_bytes(args: Sequence[object]) -> list[bytes]:
+    """Each argument's bytes as the kernel receives them (little-endian, a pointer as 8 bytes), for
+    code that replays a launch without Python (`deep_ep.backends.kernels.steady`)."""
+    out = []
+    for index, arg in enumerate(args):
+        if isinstance(arg, Scalar):
+            out.append(struct.pack("<" + arg.FORMAT, arg.value))
+        elif isinstance(arg, Opaque):
+            out.append(bytes(arg.data))
+        elif callable(getattr(arg, "data_ptr", None)):
+            out.append(struct.pack("<Q", arg.data_ptr()))  # type: ignore[attr-defined]
+        else:
+            raise TypeError(f"argument {index} has unsupported type {type(arg).__name__}")
+    return out
+
+
 def signature(args: Sequence[object]) -> tuple[type, ...]:
     """The cache key of a plan: the argument types (an `Opaque` of another size fails in `pack`)."""
     return tuple(map(type, args))

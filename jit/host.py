@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from . import cache, compiler, env
@@ -52,6 +52,10 @@ def build_host_library(
     use_nccl: bool = True,
     include_dirs: Sequence[str | Path] = (),
     extra_flags: Sequence[str] = (),
+    link_flags: Sequence[str] = (),
+    std: str = "c++17",
+    binary_name: str | None = None,
+    key_extra: Mapping[str, object] | None = None,
 ) -> CacheEntry:
     """Compile `source` into `lib<name>.so` in the cache (or find it there); no GPU needed.
 
@@ -62,6 +66,11 @@ def build_host_library(
             (`#error` unless `NCCL_VERSION_CODE` is the expected one) is prepended to the source.
         include_dirs: more `-I` folders (after the NCCL headers).
         extra_flags: more nvcc flags (part of the cache key).
+        link_flags: more flags after the source (libraries; part of the cache key).
+        std: the C++ standard.
+        binary_name: the file name of the library (default `lib<name>.so`).
+        key_extra: more facts the binary depends on (versions of what it links against). With it the
+            headers of `include_dirs` are not digested: `key_extra` must name what they belong to.
 
     Returns:
         The cache entry; `entry.binary_path` is the shared library.
@@ -74,19 +83,23 @@ def build_host_library(
     nvcc = compiler.find_nvcc()
     nccl = find_nccl() if use_nccl else None
     full_source = (nccl_version_guard(nccl.header_version) if nccl else "") + source
-    flags = ["-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", *extra_flags]
-    link: list[str] = []
+    flags = [f"-std={std}", "-O2", "-shared", "-Xcompiler", "-fPIC", *extra_flags]
+    link: list[str] = list(link_flags)
     if nccl is not None:
         if nccl.lib_path is None:
             raise JITCompileError(f"host library {name}: no libnccl next to {nccl.include_dir} to link against")
-        link = ["-Xlinker", str(nccl.lib_path), "-Xlinker", "-rpath", "-Xlinker", str(nccl.lib_path.parent)]
+        link += ["-Xlinker", str(nccl.lib_path), "-Xlinker", "-rpath", "-Xlinker", str(nccl.lib_path.parent)]
     dirs = [str(Path(d).resolve()) for d in include_dirs]
+    facts: dict[str, object] = {}
+    if key_extra is not None or link_flags or binary_name is not None:  # (absent: the keys of plain shims stay)
+        facts = {"extra": None if key_extra is None else dict(key_extra), "link": link, "binary": binary_name}
     key = cache.make_key(
         {
+            **facts,
             "kind": KIND,
             "name": name,
             "source": full_source,
-            "headers": headers_digest(included_headers(full_source, dirs), dirs),
+            "headers": headers_digest(included_headers(full_source, dirs), dirs) if key_extra is None else None,
             "nccl": None
             if nccl is None
             else {"version": nccl.header_version, "tree": tree_digest(nccl.include_dir), "lib": str(nccl.lib_path)},
@@ -104,7 +117,7 @@ def build_host_library(
     build_dir = cache.new_build_dir()
     source_path = build_dir / f"{name}.cpp"
     source_path.write_text(full_source)
-    binary = f"lib{name}.so"
+    binary = binary_name or f"lib{name}.so"
     includes = compiler.include_flags(dirs, nccl.include_dir if nccl else None)
     command = [str(nvcc), *includes, *flags, "-o", str(build_dir / binary), str(source_path), *link]
     started = time.perf_counter()

@@ -126,6 +126,11 @@ class Kernel:
                 driver.check(cuda.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute", self.name)
             )
 
+    @property
+    def handle(self) -> int:
+        """The loaded `CUfunction` as an int, for launches made outside Python (`cuLaunchKernelEx`)."""
+        return int(self._function)
+
     def default_stream(self) -> int:
         """The handle of torch's current stream on this device (the legacy stream 0 without torch)."""
         if self._current_stream is None:

@@ -485,6 +485,12 @@ class EPBackend(abc.ABC):
         writes it here, in stream order on the current stream, so that CUDA-graph replays see it too.
         The default does nothing (the backend reads `DispatchRequest.masked_ranks`)."""
 
+    def steady_path(self, comm_stream: Any, buffer_id: int) -> Any:
+        """The backend's steady path for calls of shapes seen before (an object with the interface of
+        `deep_ep.backends.kernels.steady.SteadyPath`), or `None` (the default): every call runs
+        `dispatch` and `combine` below."""
+        return None
+
     @abc.abstractmethod
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Send every token to the ranks that own its experts (collective)."""

@@ -64,6 +64,8 @@ class BenchConfig:
         graphs: time CUDA-graph replays (GPUs only).
         breakdown: per-kernel device times of the planner's cases from the torch profiler.
         host_profile: `--host` only: profile the first rank's calls (`deep_ep.bench.host_profile`).
+        host_soak_calls: `--host` only: after the timed calls, this many more of each operation, and the
+            device memory allocated before and after them (0: none).
         speed_of_light: measure our peer-store probe (GPUs only).
         hot_fraction: the share of tokens that prefer the hot rank in imbalanced routing.
         seed: the seed of every input.
@@ -81,6 +83,7 @@ class BenchConfig:
     graphs: bool = True
     breakdown: bool = False
     host_profile: bool = False
+    host_soak_calls: int = 0
     speed_of_light: bool = True
     hot_fraction: float = DEFAULT_HOT_FRACTION
     seed: int = field(default_factory=lambda: time.time_ns() % 1_000_000)

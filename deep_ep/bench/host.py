@@ -70,6 +70,25 @@ def _time_call(call: Callable[[], Any], align: Callable[[], None], drain: Callab
                 eager_wall_us=statistics.median(eagers) / 1e3)  # fmt: skip
 
 
+def _soak(call: Callable[[], Any], align: Callable[[], None], drain: Callable[[], None], num_calls: int,
+          on_gpu: bool) -> dict:  # fmt: skip
+    """`num_calls` more calls (collective), drained every 100: the device memory allocated before and
+    after them, and the peak between (the caching allocator's counters; 0 on CPU ranks)."""
+    align()
+    drain()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if on_gpu else 0
+    for index in range(num_calls):
+        call()
+        if index % 100 == 99:
+            drain()
+    drain()
+    after = torch.cuda.memory_allocated() if on_gpu else 0
+    peak = torch.cuda.max_memory_allocated() if on_gpu else 0
+    return dict(soak_calls=num_calls, soak_allocated_before=before, soak_allocated_after=after, soak_peak=peak)
+
+
 def _graph_times_us(buffer: Any, inputs: tuple, rows: torch.Tensor, kwargs: dict, config: BenchConfig,
                     group: dist.ProcessGroup, align: Callable[[], None]) -> dict[str, float]:  # fmt: skip
     """Device microseconds per call of the capturable operations (collective; GPUs)."""
@@ -137,7 +156,18 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
         "combine": lambda: buffer.combine(recv_rows, handle),
     }
     drain = wait_for_stream if on_gpu else lambda: None  # CPU ranks: every call returns done
-    times = {op: _time_call(calls[op], align, drain, config.num_warmups, config.num_iters) for op in HOST_OPS}
+    steady = getattr(buffer, "_steady", None)  # the kernels' replays of recorded shapes
+
+    def served() -> int:
+        return 0 if steady is None else steady.num_calls
+
+    times = {}
+    for op in HOST_OPS:
+        before = served()
+        times[op] = _time_call(calls[op], align, drain, config.num_warmups, config.num_iters)
+        times[op]["steady_calls"] = served() - before  # of num_warmups + num_iters
+        if config.host_soak_calls:
+            times[op].update(_soak(calls[op], align, drain, config.host_soak_calls, on_gpu))
     profiles = {}
     if config.host_profile:  # after the timed calls: the profiler's hooks must not slow those
         profiles = {op: host_profile.profile_calls(calls[op], align, config.num_iters, rank == 0) for op in HOST_OPS}
@@ -148,8 +178,13 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
     shape = dict(num_tokens=case.num_tokens, dtype=case.dtype, routing=case.routing, hidden=case.hidden,
                  num_topk=case.num_topk, num_experts=case.num_experts)  # fmt: skip
     if rank == 0:
-        walls = ", ".join(f"{op} {times[op]['host_wall_us']:.1f} us" for op in HOST_OPS)
+        walls = ", ".join(f"{op} {times[op]['host_wall_us']:.1f} us ({times[op]['steady_calls']} steady)"
+                          for op in HOST_OPS)  # fmt: skip
         print(f"host cost, T={case.num_tokens} {case.dtype} {case.routing}: {walls}", file=sys.stderr, flush=True)
+        if config.host_soak_calls:
+            grown = ", ".join(f"{op} {times[op]['soak_allocated_after'] - times[op]['soak_allocated_before']:+d} B"
+                              for op in HOST_OPS)  # fmt: skip
+            print(f"memory after {config.host_soak_calls} more calls each: {grown}", file=sys.stderr, flush=True)
     return [dict(case=shape, op=op, rank=rank, backend=backend_name, gpu_us=gpu.get(op), profile=profiles.get(op),
                  **times[op]) for op in HOST_OPS]  # fmt: skip
 

@@ -26,6 +26,7 @@ from .engram import NvlinkEngram
 from .layout import MAX_LOCAL_EXPERTS
 from .pp import NvlinkPp
 from .runtime import NvlinkRuntime
+from .steady import SteadyPath, steady_enabled, steady_module
 from .transport import choose_transport, open_transport
 
 
@@ -112,6 +113,17 @@ class NvlinkBackend(EPBackend):
 
     def set_masked_ranks(self, masked_ranks: frozenset[int]) -> None:
         self.runtime.set_masked_ranks(masked_ranks, torch.cuda.current_stream())
+
+    def steady_path(self, comm_stream: torch.cuda.Stream | None, buffer_id: int) -> SteadyPath | None:
+        """Replays of recorded shapes in C++ (`steady`), where every call of the shape is on this
+        runtime's plain path: no rank masking, hybrid mode, remote peers or guarded outputs."""
+        runtime = self.runtime
+        plain = not (runtime.rank_masking or runtime.num_hybrid_nodes or runtime.scaleout is not None
+                     or runtime.share.guarded)  # fmt: skip
+        if comm_stream is None or not plain or not steady_enabled():
+            return None
+        module, _ = steady_module()
+        return None if module is None else SteadyPath(module, runtime, comm_stream, buffer_id)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         num_local_experts = request.num_experts // self.config.num_ranks

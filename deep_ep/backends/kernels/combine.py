@@ -121,7 +121,7 @@ def run_combine(
                          node_stage)  # fmt: skip
     (combine_kernel, epilogue_kernel), num_sms = plan.kernels, plan.num_sms
     op_hash, arrival_slots = plan.op_hash, plan.arrival_slots
-    empty = runtime.share.empty
+    empty = runtime.empty
     combined_x = empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
     combined_w = None
     if topk_weights is not None:
@@ -136,8 +136,8 @@ def run_combine(
         arrival_block=arrival_slots, op_hash=op_hash, error_block=data_ptr(runtime.error_block),
         timeout_ns=runtime.timeout_ns, forward_map=data_ptr(state.forward_map) if node_stage else 0,
         forward_counts=data_ptr(state.forward_counts) if node_stage else 0)  # fmt: skip
-    combine_kernel.launch(grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
-                          args=(Opaque(bytes(combine_args)), Opaque(runtime.links.args("comm", num_qps))))  # fmt: skip
+    runtime.launch(combine_kernel, grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
+                   args=(Opaque(bytes(combine_args)), Opaque(runtime.links.args("comm", num_qps))))  # fmt: skip
     try:
         # Always, even with no tokens here: the epilogue posts our window credit (credits.cuh)
         epilogue_args = specs.CombineEpilogueArgs(
@@ -157,9 +157,9 @@ def run_combine(
         grid = runtime.grid_for_rows(num_tokens * ((hidden + 1023) // 1024), num_sms)  # (token, 1024-wide part) items
         if before_epilogue is not None:
             before_epilogue()
-        epilogue_kernel.launch(grid=(grid + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
-                               args=(Opaque(bytes(epilogue_args)), Opaque(runtime.links.args("epilogue", num_qps))),
-                               pdl=True)  # fmt: skip
+        runtime.launch(epilogue_kernel, grid=(grid + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
+                       args=(Opaque(bytes(epilogue_args)), Opaque(runtime.links.args("epilogue", num_qps))),
+                       pdl=True)  # fmt: skip
     except BaseException as error:
         runtime.fail_between_launches("combine", error)
         raise

@@ -55,7 +55,7 @@ def _dispatch_outputs(
     has_weights: bool, do_expand: bool, col_major_scales: bool, num_local_experts: int,
 ) -> dict:  # fmt: skip
     """The output tensors of one dispatch with `num_out_rows` rows (exact or worst case)."""
-    empty, device = runtime.share.empty, x.device
+    empty, device = runtime.empty, x.device
     out: dict[str, Any] = {"recv_x": empty((num_out_rows, x.shape[1]), dtype=x.dtype, device=device)}
     out["recv_scales"], out["scale_col_stride"] = None, 0
     if x_scales is not None:
@@ -174,7 +174,7 @@ def run_dispatch(
     loaded, num_sms, op_hash, arrival_slots = plan.kernels, plan.num_sms, plan.op_hash, plan.arrival_slots
     dispatch_kernel, epilogue_kernel = loaded[0], loaded[-1]
     max_recv = runtime.num_ranks * num_max_tokens_per_rank
-    empty = runtime.share.empty
+    empty = runtime.empty
 
     counts_list, expand_scratch, dst_slot_idx, num_masked_lanes = None, None, None, None
     node_slot_idx = num_tokens_per_node = forward_map = forward_counts = None
@@ -238,16 +238,17 @@ def run_dispatch(
         forward_counts=data_ptr(forward_counts) if fresh else 0)  # fmt: skip
     # A fresh dispatch's grid barrier needs every CTA resident at once: a cooperative launch
     # makes the driver guarantee it (or refuse), whatever else holds SMs (an emulated NIC's CTA too)
-    dispatch_kernel.launch(grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
-                           args=(Opaque(bytes(dispatch_args)), Opaque(runtime.links.args("comm", num_qps))),
-                           cooperative=fresh)  # fmt: skip
+    runtime.launch(dispatch_kernel, grid=(num_sms + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
+                   args=(Opaque(bytes(dispatch_args)), Opaque(runtime.links.args("comm", num_qps))),
+                   cooperative=fresh)  # fmt: skip
 
     rejected = False
     try:
         if expand_ranks:
             num_grid_sms = num_sms if runtime.share.exclusive else runtime.num_device_sms
             expand_grid = max(1, min(num_local_experts, num_grid_sms))
-            loaded[1].launch(
+            runtime.launch(
+                loaded[1],
                 grid=(expand_grid,), block=(specs.NUM_EXPAND_RANK_THREADS,), stream=stream,
                 args=(U64(runtime.windows.ptr), I32(num_max_tokens_per_rank), I32(runtime.rank),
                       I32(num_local_experts), U64(data_ptr(expand_scratch)), I32(arrival_slots), I32(op_hash),
@@ -331,8 +332,8 @@ def _launch_dispatch_epilogue(
         do_zero_padding=int(do_zero_padding), arrival_block=arrival_slots, op_hash=op_hash,
         error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
     grid = runtime.grid_for_rows(state.num_meta_rows, num_busy_sms) + runtime.nic_ctas
-    kernel.launch(grid=(grid,), block=(specs.NUM_THREADS,), stream=stream,
-                  args=(Opaque(bytes(epilogue_args)), Opaque(runtime.links.args("epilogue", num_qps))), pdl=True)  # fmt: skip
+    runtime.launch(kernel, grid=(grid,), block=(specs.NUM_THREADS,), stream=stream,
+                   args=(Opaque(bytes(epilogue_args)), Opaque(runtime.links.args("epilogue", num_qps))), pdl=True)  # fmt: skip
 
 
 def _drain_dispatch(
@@ -345,5 +346,5 @@ def _drain_dispatch(
         window_base=runtime.windows.ptr, num_max_tokens_per_rank=num_max_tokens_per_rank, rank=runtime.rank,
         num_experts_per_rank=num_local_experts, expert_alignment=1, drain_only=1, arrival_block=arrival_slots,
         op_hash=op_hash, error_block=data_ptr(runtime.error_block), timeout_ns=runtime.timeout_ns)  # fmt: skip
-    kernel.launch(grid=(1 + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
-                  args=(Opaque(bytes(drain_args)), Opaque(runtime.links.args("epilogue"))), pdl=True)  # fmt: skip
+    runtime.launch(kernel, grid=(1 + runtime.nic_ctas,), block=(specs.NUM_THREADS,), stream=stream,
+                   args=(Opaque(bytes(drain_args)), Opaque(runtime.links.args("epilogue"))), pdl=True)  # fmt: skip

@@ -18,6 +18,7 @@ letting a retry run at the same epoch.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -67,9 +68,24 @@ _OP_MISMATCH_PHASE = 8
 _FORWARDED_PHASES = (3, 7)
 
 
+# While a call is recorded (`deep_ep.backends.kernels.steady`), the tensors whose addresses went
+# into kernel arguments on this thread (virtual ranks record on their own threads)
+_recording = threading.local()
+
+
 def data_ptr(tensor: torch.Tensor | None) -> int:
     """The device address of `tensor` (`0` for `None`), as a kernel argument."""
-    return 0 if tensor is None else tensor.data_ptr()
+    if tensor is None:
+        return 0
+    seen = getattr(_recording, "tensors", None)
+    if seen is not None:
+        seen.append(tensor)
+    return tensor.data_ptr()
+
+
+def track_pointers(tensors: list[torch.Tensor] | None) -> None:
+    """Append to `tensors` every tensor `data_ptr` gives the address of on this thread (`None`: stop)."""
+    _recording.tensors = tensors
 
 
 def rows_per_task(num_rows: int, num_sms: int, max_rows: int) -> int:
@@ -235,6 +251,8 @@ class NvlinkRuntime:
         self.num_experts_checked = 0  # of the last dispatch that validated routing on the device
         # Per operation shape, what does not change between its calls (kernels, grid, signature)
         self.plans: dict[tuple, LaunchPlan] = {}
+        # Set while a call is recorded for the steady path: sees every allocation and launch
+        self.recorder: Any = None
         self.dead_reason: str | None = None
         self._dead_error: type[EPError] = EPError
         if transport.num_ranks > MAX_RANKS:
@@ -297,6 +315,20 @@ class NvlinkRuntime:
         torch.cuda.current_stream().synchronize()
 
     # ---------------------------------------------------------------- faults
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+        """An output or handle tensor of the running call (the share's allocation, recorded when a
+        recorder is set)."""
+        tensor = self.share.empty(shape, dtype=dtype, device=device)
+        if self.recorder is not None:
+            self.recorder.allocated(tensor)
+        return tensor
+
+    def launch(self, kernel: Any, **launch: Any) -> None:
+        """`kernel.launch(**launch)`, recorded when a recorder is set."""
+        kernel.launch(**launch)
+        if self.recorder is not None:
+            self.recorder.launched(kernel, launch)
 
     def check_error(self) -> None:
         """Raise if this buffer failed: `EPTimeoutError` for a device wait that expired here or on a

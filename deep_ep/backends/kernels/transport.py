@@ -79,12 +79,15 @@ class DeviceShare:
             starve it); otherwise an epilogue may queue behind a running communication kernel.
         empty: allocates a tensor (`torch.empty`'s `(shape, dtype=..., device=...)`).
         load: loads the kernels of `specs` (one operation's, before its first launch).
+        guarded: `empty` surrounds each output with guard bytes (`LoopbackWorld(guard_bytes=...)`),
+            which the steady path's own allocations would not.
     """
 
     num_sms: int
     exclusive: bool = False
     empty: Callable[..., torch.Tensor] = torch.empty
     load: Callable[[Sequence[Any]], list[Any]] = _load_each
+    guarded: bool = False
 
     @classmethod
     def whole_device(cls) -> DeviceShare:

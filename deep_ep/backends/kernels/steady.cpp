@@ -1,0 +1,601 @@
+// The steady path of dispatch and combine: a recorded launch sequence replayed in one call.
+//
+// The first call of an operation shape runs in Python (deep_ep.backends.kernels.steady records
+// it); later calls of the same shape come here. A `Program` holds what the recording saw: the
+// inputs' dtypes, sizes and strides, the allocations and the views returned, and each kernel
+// launch with its parameter bytes and the offsets where the inputs' and allocations' addresses go.
+// `Program.run` checks the inputs against it (any difference: `None`, and the caller takes the
+// Python path, which validates and raises), then does V2's stream choreography, the allocations and
+// the launches without a Python frame in between: a torch call from Python costs microseconds of
+// interpreter each, which here are nanoseconds.
+//
+// Only libc10's device-generic interfaces are used (the CUDA guard implementation that torch
+// registers at import), and the driver through dlopen, so that the same source builds against a
+// CPU-only torch (CI compiles it there; its checks run without a GPU).
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <cuda.h>
+#include <dlfcn.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+// ----------------------------------------------------------------------------------- the driver
+
+struct Driver {
+    decltype(&cuLaunchKernelEx) launch = nullptr;
+    decltype(&cuMemcpyDtoDAsync) copy = nullptr;
+    decltype(&cuStreamWaitEvent) wait_event = nullptr;
+    decltype(&cuStreamIsCapturing) is_capturing = nullptr;
+    decltype(&cuGetErrorString) error_string = nullptr;
+    std::string problem;
+};
+
+const Driver& driver() {
+    static const Driver loaded = [] {
+        Driver d;
+        void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+        if (lib == nullptr) {
+            d.problem = "libcuda.so.1 cannot be loaded";
+            return d;
+        }
+        d.launch = reinterpret_cast<decltype(d.launch)>(dlsym(lib, "cuLaunchKernelEx"));
+        d.copy = reinterpret_cast<decltype(d.copy)>(dlsym(lib, "cuMemcpyDtoDAsync_v2"));
+        d.wait_event = reinterpret_cast<decltype(d.wait_event)>(dlsym(lib, "cuStreamWaitEvent"));
+        d.is_capturing = reinterpret_cast<decltype(d.is_capturing)>(dlsym(lib, "cuStreamIsCapturing"));
+        d.error_string = reinterpret_cast<decltype(d.error_string)>(dlsym(lib, "cuGetErrorString"));
+        if (!d.launch || !d.copy || !d.wait_event || !d.is_capturing || !d.error_string)
+            d.problem =
+                "libcuda.so.1 lacks cuLaunchKernelEx, cuMemcpyDtoDAsync_v2, cuStreamWaitEvent or cuStreamIsCapturing";
+        return d;
+    }();
+    return loaded;
+}
+
+std::string driver_error(CUresult result, const char* what) {
+    const char* text = nullptr;
+    if (driver().error_string != nullptr) driver().error_string(result, &text);
+    return std::string(what) + " failed: CUDA error " + std::to_string(static_cast<int>(result)) + " (" +
+           (text ? text : "unknown") + ")";
+}
+
+// --------------------------------------------------------------------------------- the program
+
+struct InputSpec {
+    bool present;  // false: the recording saw None, and None is expected
+    at::ScalarType dtype;
+    std::vector<int64_t> sizes, strides;
+};
+
+struct AllocSpec {
+    at::ScalarType dtype;
+    std::vector<int64_t> sizes, strides;
+    int clone_of;  // >= 0: a copy of that (contiguous) input, made on the communication stream
+};
+
+struct OutputSpec {
+    int alloc;
+    std::vector<int64_t> sizes, strides;
+    int64_t storage_offset;
+};
+
+struct Patch {
+    int param, offset, source;  // source >= 0: input `source`; < 0: allocation `-1 - source`
+};
+
+struct Launch {
+    CUfunction function;
+    unsigned grid[3], block[3];
+    bool cooperative, pdl;
+    std::vector<std::vector<char>> params;
+    std::vector<Patch> patches;
+};
+
+struct Program {
+    c10::DeviceIndex device_index;
+    c10::Stream comm_stream;
+    bool async_with_compute_stream, allocate_on_comm_stream, record_inputs;
+    std::vector<InputSpec> inputs;
+    std::vector<AllocSpec> allocs;
+    std::vector<OutputSpec> outputs;
+    std::vector<Launch> launches;
+    std::optional<c10::Event> compute_ready;  // the compute stream's point the comm stream waits for
+    uint64_t num_runs = 0;
+};
+
+struct ProgramObject {
+    PyObject_HEAD Program* program;
+};
+
+struct EventObject {
+    PyObject_HEAD c10::Event* event;
+};
+
+PyTypeObject EventType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+PyTypeObject ProgramType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// ------------------------------------------------------------------------- description parsing
+
+struct ParseError {
+    std::string message;
+};
+
+long long as_long(PyObject* obj, const char* what) {
+    long long value = PyLong_AsLongLong(obj);
+    if (value == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        throw ParseError{std::string(what) + " must be an int"};
+    }
+    return value;
+}
+
+PyObject* item(PyObject* sequence, Py_ssize_t index, const char* what) {
+    if (!PyTuple_Check(sequence)) throw ParseError{std::string(what) + " must be a tuple"};
+    if (index >= PyTuple_GET_SIZE(sequence)) throw ParseError{std::string(what) + " is too short"};
+    return PyTuple_GET_ITEM(sequence, index);
+}
+
+std::vector<int64_t> as_dims(PyObject* obj, const char* what) {
+    if (!PyTuple_Check(obj)) throw ParseError{std::string(what) + " must be a tuple of ints"};
+    std::vector<int64_t> dims;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); ++i) dims.push_back(as_long(PyTuple_GET_ITEM(obj, i), what));
+    return dims;
+}
+
+at::ScalarType as_dtype(PyObject* obj, const char* what) {
+    if (!THPDtype_Check(obj)) throw ParseError{std::string(what) + " must be a torch.dtype"};
+    return reinterpret_cast<THPDtype*>(obj)->scalar_type;
+}
+
+std::vector<char> as_bytes(PyObject* obj, const char* what) {
+    if (!PyBytes_Check(obj)) throw ParseError{std::string(what) + " must be bytes"};
+    const char* data = PyBytes_AS_STRING(obj);
+    return std::vector<char>(data, data + PyBytes_GET_SIZE(obj));
+}
+
+// (device_index, (stream_id, device_index, device_type), async_with_compute_stream,
+//  allocate_on_comm_stream, record_inputs, inputs, allocs, outputs, launches); see steady.py's
+// `ProgramDescription` for the fields of each entry.
+Program* parse_program(PyObject* d) {
+    auto program = std::make_unique<Program>(
+        Program{static_cast<c10::DeviceIndex>(as_long(item(d, 0, "description"), "device_index")),
+                c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU)), false, false, true});
+    PyObject* stream = item(d, 1, "description");
+    program->comm_stream =
+        c10::Stream::unpack3(as_long(item(stream, 0, "comm stream"), "stream id"),
+                             static_cast<c10::DeviceIndex>(as_long(item(stream, 1, "comm stream"), "index")),
+                             static_cast<c10::DeviceType>(as_long(item(stream, 2, "comm stream"), "type")));
+    program->async_with_compute_stream = PyObject_IsTrue(item(d, 2, "description"));
+    program->allocate_on_comm_stream = PyObject_IsTrue(item(d, 3, "description"));
+    program->record_inputs = PyObject_IsTrue(item(d, 4, "description"));
+    PyObject* inputs = item(d, 5, "description");
+    for (Py_ssize_t i = 0; i < PyTuple_Size(inputs); ++i) {
+        PyObject* spec = item(inputs, i, "inputs");
+        if (spec == Py_None) {
+            program->inputs.push_back(InputSpec{false, at::ScalarType::Undefined, {}, {}});
+            continue;
+        }
+        program->inputs.push_back(InputSpec{true, as_dtype(item(spec, 0, "input"), "input dtype"),
+                                            as_dims(item(spec, 1, "input"), "input sizes"),
+                                            as_dims(item(spec, 2, "input"), "input strides")});
+    }
+    PyObject* allocs = item(d, 6, "description");
+    for (Py_ssize_t i = 0; i < PyTuple_Size(allocs); ++i) {
+        PyObject* spec = item(allocs, i, "allocs");
+        int clone_of = static_cast<int>(as_long(item(spec, 3, "alloc"), "clone_of"));
+        if (clone_of >= static_cast<int>(program->inputs.size()) ||
+            (clone_of >= 0 && !program->inputs[clone_of].present))
+            throw ParseError{"alloc clone_of must name a present input"};
+        program->allocs.push_back(AllocSpec{as_dtype(item(spec, 0, "alloc"), "alloc dtype"),
+                                            as_dims(item(spec, 1, "alloc"), "alloc sizes"),
+                                            as_dims(item(spec, 2, "alloc"), "alloc strides"), clone_of});
+    }
+    PyObject* outputs = item(d, 7, "description");
+    for (Py_ssize_t i = 0; i < PyTuple_Size(outputs); ++i) {
+        PyObject* spec = item(outputs, i, "outputs");
+        int alloc = static_cast<int>(as_long(item(spec, 0, "output"), "output alloc"));
+        if (alloc < 0 || alloc >= static_cast<int>(program->allocs.size()))
+            throw ParseError{"output alloc out of range"};
+        program->outputs.push_back(OutputSpec{alloc, as_dims(item(spec, 1, "output"), "output sizes"),
+                                              as_dims(item(spec, 2, "output"), "output strides"),
+                                              as_long(item(spec, 3, "output"), "output storage offset")});
+    }
+    PyObject* launches = item(d, 8, "description");
+    for (Py_ssize_t i = 0; i < PyTuple_Size(launches); ++i) {
+        PyObject* spec = item(launches, i, "launches");
+        Launch launch{};
+        launch.function = reinterpret_cast<CUfunction>(PyLong_AsVoidPtr(item(spec, 0, "launch")));
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            throw ParseError{"launch function must be an int handle"};
+        }
+        auto grid = as_dims(item(spec, 1, "launch"), "grid"), block = as_dims(item(spec, 2, "launch"), "block");
+        if (grid.size() != 3 || block.size() != 3) throw ParseError{"grid and block must have 3 dims"};
+        for (int k = 0; k < 3; ++k)
+            launch.grid[k] = static_cast<unsigned>(grid[k]), launch.block[k] = static_cast<unsigned>(block[k]);
+        launch.cooperative = PyObject_IsTrue(item(spec, 3, "launch"));
+        launch.pdl = PyObject_IsTrue(item(spec, 4, "launch"));
+        PyObject* params = item(spec, 5, "launch");
+        for (Py_ssize_t p = 0; p < PyTuple_Size(params); ++p)
+            launch.params.push_back(as_bytes(item(params, p, "params"), "param"));
+        PyObject* patches = item(spec, 6, "launch");
+        for (Py_ssize_t p = 0; p < PyTuple_Size(patches); ++p) {
+            PyObject* patch = item(patches, p, "patches");
+            Patch parsed{static_cast<int>(as_long(item(patch, 0, "patch"), "patch param")),
+                         static_cast<int>(as_long(item(patch, 1, "patch"), "patch offset")),
+                         static_cast<int>(as_long(item(patch, 2, "patch"), "patch source"))};
+            bool in_range = parsed.param >= 0 && parsed.param < static_cast<int>(launch.params.size()) &&
+                            parsed.offset >= 0 &&
+                            parsed.offset + 8 <= static_cast<int>(launch.params[parsed.param].size()) &&
+                            parsed.source < static_cast<int>(program->inputs.size()) &&
+                            -1 - parsed.source < static_cast<int>(program->allocs.size());
+            if (!in_range) throw ParseError{"patch out of range"};
+            launch.patches.push_back(parsed);
+        }
+        program->launches.push_back(std::move(launch));
+    }
+    return program.release();
+}
+
+// ---------------------------------------------------------------------------------- Program.run
+
+// Whether `tensor` is what the recording saw at `spec` (on the program's device).
+bool matches(const at::Tensor& tensor, const InputSpec& spec, c10::DeviceIndex device_index) {
+    return tensor.scalar_type() == spec.dtype && tensor.is_cuda() && tensor.get_device() == device_index &&
+           tensor.sizes().equals(spec.sizes) && tensor.strides().equals(spec.strides) && !tensor.requires_grad();
+}
+
+struct RunFailure {
+    std::string message;
+};
+
+// What `run` does without the GIL: returns the output tensors and the end event.
+std::vector<at::Tensor> run_native(Program& program, const std::vector<const at::Tensor*>& inputs, void* previous_event,
+                                   c10::Event& end_event) {
+    const Driver& d = driver();
+    const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    c10::Device device(c10::DeviceType::CUDA, program.device_index);
+    c10::Stream compute = impl->getStream(device), comm = program.comm_stream;
+    auto compute_handle = static_cast<CUstream>(compute.native_handle());
+    auto comm_handle = static_cast<CUstream>(comm.native_handle());
+
+    // The communication starts after the compute stream's work (or the given event), as V2's does
+    if (previous_event != nullptr) {
+        CUresult result = d.wait_event(comm_handle, static_cast<CUevent>(previous_event), 0);
+        if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamWaitEvent")};
+    } else {
+        if (!program.compute_ready) program.compute_ready.emplace(c10::DeviceType::CUDA);
+        program.compute_ready->record(compute);
+        program.compute_ready->block(comm);
+    }
+
+    // Allocations come from the communication stream's pool (the Python path allocates with it
+    // current), so it is made current for them
+    c10::Stream previous = impl->exchangeStream(comm);
+    std::vector<at::Tensor> allocs;
+    try {
+        allocs.reserve(program.allocs.size());
+        for (const AllocSpec& spec : program.allocs)
+            allocs.push_back(
+                at::empty_strided(spec.sizes, spec.strides, at::TensorOptions().dtype(spec.dtype).device(device)));
+    } catch (...) {
+        impl->exchangeStream(previous);
+        throw;
+    }
+    impl->exchangeStream(previous);
+
+    for (size_t i = 0; i < allocs.size(); ++i) {
+        int source = program.allocs[i].clone_of;
+        if (source < 0) continue;
+        const at::Tensor& from = *inputs[source];
+        CUresult result = d.copy(reinterpret_cast<CUdeviceptr>(allocs[i].data_ptr()),
+                                 reinterpret_cast<CUdeviceptr>(from.data_ptr()), from.nbytes(), comm_handle);
+        if (result != CUDA_SUCCESS)
+            throw RunFailure{driver_error(result, "cuMemcpyDtoDAsync (handle copy of an input)")};
+    }
+
+    for (Launch& launch : program.launches) {
+        for (const Patch& patch : launch.patches) {
+            const at::Tensor* source = patch.source >= 0 ? inputs[patch.source] : &allocs[-1 - patch.source];
+            uint64_t address = source == nullptr ? 0 : reinterpret_cast<uint64_t>(source->data_ptr());
+            std::memcpy(launch.params[patch.param].data() + patch.offset, &address, sizeof(address));
+        }
+        void* params[16];
+        if (launch.params.size() > 16) throw RunFailure{"a kernel with more than 16 parameters"};
+        for (size_t p = 0; p < launch.params.size(); ++p) params[p] = launch.params[p].data();
+        CUlaunchAttribute attributes[2];
+        unsigned num_attributes = 0;
+        if (launch.cooperative) {
+            attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attributes[num_attributes++].value.cooperative = 1;
+        }
+        if (launch.pdl) {
+            attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attributes[num_attributes++].value.programmaticStreamSerializationAllowed = 1;
+        }
+        CUlaunchConfig config{};
+        config.gridDimX = launch.grid[0], config.gridDimY = launch.grid[1], config.gridDimZ = launch.grid[2];
+        config.blockDimX = launch.block[0], config.blockDimY = launch.block[1], config.blockDimZ = launch.block[2];
+        config.hStream = comm_handle;
+        config.attrs = attributes;
+        config.numAttrs = num_attributes;
+        CUresult result = d.launch(&config, launch.function, params, nullptr);
+        if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuLaunchKernelEx")};
+    }
+
+    // V2's epilogue of the stream choreography (deep_ep.event.CommStreamScope.finish)
+    end_event.record(comm);
+    if (program.async_with_compute_stream) {
+        for (const at::Tensor& t : allocs) {
+            impl->recordDataPtrOnStream(t.storage().data_ptr(), compute);
+            impl->recordDataPtrOnStream(t.storage().data_ptr(), comm);
+        }
+        if (program.record_inputs)
+            for (const at::Tensor* t : inputs)
+                if (t != nullptr) impl->recordDataPtrOnStream(t->storage().data_ptr(), comm);
+    } else {
+        end_event.block(compute);
+        if (!program.allocate_on_comm_stream)
+            for (const at::Tensor& t : allocs) impl->recordDataPtrOnStream(t.storage().data_ptr(), compute);
+    }
+    (void)compute_handle;
+
+    std::vector<at::Tensor> outputs;
+    outputs.reserve(program.outputs.size());
+    for (const OutputSpec& spec : program.outputs)
+        outputs.push_back(allocs[spec.alloc].as_strided(spec.sizes, spec.strides, spec.storage_offset));
+    return outputs;
+}
+
+// run(inputs: tuple of tensors or None, previous_event: int (a CUevent) or None)
+//   -> (outputs..., Event), or None when an input differs from the recording or the compute stream
+//   is being captured (the caller takes the Python path)
+PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
+    Program& program = *reinterpret_cast<ProgramObject*>(self)->program;
+    if (num_args != 2 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "Program.run(inputs: tuple, previous_event: int | None)");
+        return nullptr;
+    }
+    PyObject* given = args[0];
+    if (PyTuple_GET_SIZE(given) != static_cast<Py_ssize_t>(program.inputs.size())) {
+        PyErr_Format(PyExc_TypeError, "Program.run: expected %zu inputs, got %zd", program.inputs.size(),
+                     PyTuple_GET_SIZE(given));
+        return nullptr;
+    }
+    std::vector<const at::Tensor*> inputs(program.inputs.size(), nullptr);
+    for (size_t i = 0; i < program.inputs.size(); ++i) {
+        PyObject* obj = PyTuple_GET_ITEM(given, i);
+        const InputSpec& spec = program.inputs[i];
+        if (obj == Py_None) {
+            if (spec.present) Py_RETURN_NONE;
+            continue;
+        }
+        if (!spec.present || !THPVariable_Check(obj)) Py_RETURN_NONE;
+        const at::Tensor& tensor = THPVariable_Unpack(obj);
+        if (!matches(tensor, spec, program.device_index)) Py_RETURN_NONE;
+        inputs[i] = &tensor;
+    }
+    void* previous_event = nullptr;
+    if (args[1] != Py_None) {
+        previous_event = PyLong_AsVoidPtr(args[1]);
+        if (previous_event == nullptr && PyErr_Occurred()) return nullptr;
+    }
+    const Driver& d = driver();
+    if (!d.problem.empty()) {
+        PyErr_SetString(PyExc_RuntimeError, d.problem.c_str());
+        return nullptr;
+    }
+
+    std::vector<at::Tensor> outputs;
+    std::string failure;
+    bool captured = false;
+    auto* end_event = new c10::Event(c10::DeviceType::CUDA);
+    Py_BEGIN_ALLOW_THREADS try {
+        // A capture takes the Python path, whose every step is capture-safe (the events above are
+        // reused across calls, which a graph would freeze)
+        const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+        auto compute = static_cast<CUstream>(
+            impl->getStream(c10::Device(c10::DeviceType::CUDA, program.device_index)).native_handle());
+        CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+        CUresult result = d.is_capturing(compute, &status);
+        if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamIsCapturing")};
+        if (status != CU_STREAM_CAPTURE_STATUS_NONE)
+            captured = true;
+        else
+            outputs = run_native(program, inputs, previous_event, *end_event);
+    } catch (const RunFailure& error) {
+        failure = error.message;
+    } catch (const std::exception& error) {
+        failure = error.what();
+    }
+    Py_END_ALLOW_THREADS if (!failure.empty() || captured) {
+        delete end_event;
+        if (captured) Py_RETURN_NONE;
+        PyErr_SetString(PyExc_RuntimeError, ("deep_ep steady path: " + failure).c_str());
+        return nullptr;
+    }
+    ++program.num_runs;
+    PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(outputs.size()) + 1);
+    if (result == nullptr) {
+        delete end_event;
+        return nullptr;
+    }
+    for (size_t i = 0; i < outputs.size(); ++i) {
+        PyObject* wrapped = THPVariable_Wrap(std::move(outputs[i]));
+        if (wrapped == nullptr) {
+            Py_DECREF(result);
+            delete end_event;
+            return nullptr;
+        }
+        PyTuple_SET_ITEM(result, i, wrapped);
+    }
+    auto* event = PyObject_New(EventObject, &EventType);
+    if (event == nullptr) {
+        Py_DECREF(result);
+        delete end_event;
+        return nullptr;
+    }
+    event->event = end_event;
+    PyTuple_SET_ITEM(result, outputs.size(), reinterpret_cast<PyObject*>(event));
+    return result;
+}
+
+PyObject* program_num_runs(PyObject* self, void*) {
+    return PyLong_FromUnsignedLongLong(reinterpret_cast<ProgramObject*>(self)->program->num_runs);
+}
+
+PyObject* program_new(PyTypeObject* type, PyObject* args, PyObject*) {
+    PyObject* description = nullptr;
+    if (!PyArg_ParseTuple(args, "O", &description)) return nullptr;
+    Program* program = nullptr;
+    try {
+        program = parse_program(description);
+    } catch (const ParseError& error) {
+        PyErr_SetString(PyExc_ValueError, ("deep_ep steady program: " + error.message).c_str());
+        return nullptr;
+    } catch (const std::exception& error) {
+        PyErr_SetString(PyExc_ValueError, ("deep_ep steady program: " + std::string(error.what())).c_str());
+        return nullptr;
+    }
+    auto* self = reinterpret_cast<ProgramObject*>(type->tp_alloc(type, 0));
+    if (self == nullptr) {
+        delete program;
+        return nullptr;
+    }
+    self->program = program;
+    return reinterpret_cast<PyObject*>(self);
+}
+
+void program_dealloc(PyObject* self) {
+    delete reinterpret_cast<ProgramObject*>(self)->program;
+    Py_TYPE(self)->tp_free(self);
+}
+
+// ------------------------------------------------------------------------------------- Event
+
+// The end of a steady call, with the part of `torch.cuda.Event`'s interface that deep_ep.event uses
+c10::Stream stream_of(PyObject* stream, c10::DeviceIndex device_index) {
+    if (stream == nullptr || stream == Py_None)
+        return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+            ->getStream(c10::Device(c10::DeviceType::CUDA, device_index));
+    PyObject* id = PyObject_GetAttrString(stream, "stream_id");
+    PyObject* index = PyObject_GetAttrString(stream, "device_index");
+    PyObject* type = PyObject_GetAttrString(stream, "device_type");
+    long long values[3] = {0, 0, 0};
+    PyObject* objs[3] = {id, index, type};
+    bool ok = true;
+    for (int i = 0; i < 3; ++i) {
+        if (objs[i] == nullptr || ((values[i] = PyLong_AsLongLong(objs[i])) == -1 && PyErr_Occurred())) ok = false;
+        Py_XDECREF(objs[i]);
+    }
+    if (!ok) throw ParseError{"stream must be a torch.cuda.Stream"};
+    return c10::Stream::unpack3(values[0], static_cast<c10::DeviceIndex>(values[1]),
+                                static_cast<c10::DeviceType>(values[2]));
+}
+
+PyObject* event_wait(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
+    c10::Event& event = *reinterpret_cast<EventObject*>(self)->event;
+    try {
+        event.block(stream_of(num_args > 0 ? args[0] : nullptr, event.device_index()));
+    } catch (const ParseError& error) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, error.message.c_str());
+        return nullptr;
+    } catch (const std::exception& error) {
+        PyErr_SetString(PyExc_RuntimeError, error.what());
+        return nullptr;
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject* event_query(PyObject* self, PyObject*) {
+    bool done = false;
+    try {
+        done = reinterpret_cast<EventObject*>(self)->event->query();
+    } catch (const std::exception& error) {
+        PyErr_SetString(PyExc_RuntimeError, error.what());
+        return nullptr;
+    }
+    return PyBool_FromLong(done);
+}
+
+PyObject* event_synchronize(PyObject* self, PyObject*) {
+    std::string failure;
+    c10::Event* event = reinterpret_cast<EventObject*>(self)->event;
+    Py_BEGIN_ALLOW_THREADS try { event->synchronize(); } catch (const std::exception& error) {
+        failure = error.what();
+    }
+    Py_END_ALLOW_THREADS if (!failure.empty()) {
+        PyErr_SetString(PyExc_RuntimeError, failure.c_str());
+        return nullptr;
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject* event_cuda_event(PyObject* self, void*) {
+    return PyLong_FromVoidPtr(reinterpret_cast<EventObject*>(self)->event->eventId());
+}
+
+void event_dealloc(PyObject* self) {
+    delete reinterpret_cast<EventObject*>(self)->event;
+    PyObject_Free(self);
+}
+
+PyMethodDef event_methods[] = {
+    {"wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(event_wait)), METH_FASTCALL,
+     "wait(stream=None): make `stream` (default: the current one) wait for the event"},
+    {"query", event_query, METH_NOARGS, "whether the work before the event has completed"},
+    {"synchronize", event_synchronize, METH_NOARGS, "block the host until the event has completed"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef event_getset[] = {{"cuda_event", event_cuda_event, nullptr, "the CUevent handle", nullptr},
+                              {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyMethodDef program_methods[] = {{"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(program_run)),
+                                  METH_FASTCALL, "run(inputs, previous_event) -> (outputs..., Event) or None"},
+                                 {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef program_getset[] = {{"num_runs", program_num_runs, nullptr, "calls served", nullptr},
+                                {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "deep_ep_steady", "deep_ep's steady path (steady.cpp)", -1, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_deep_ep_steady() {
+    EventType.tp_name = "deep_ep_steady.Event";
+    EventType.tp_basicsize = sizeof(EventObject);
+    EventType.tp_flags = Py_TPFLAGS_DEFAULT;
+    EventType.tp_dealloc = event_dealloc;
+    EventType.tp_methods = event_methods;
+    EventType.tp_getset = event_getset;
+    ProgramType.tp_name = "deep_ep_steady.Program";
+    ProgramType.tp_basicsize = sizeof(ProgramObject);
+    ProgramType.tp_flags = Py_TPFLAGS_DEFAULT;
+    ProgramType.tp_new = program_new;
+    ProgramType.tp_dealloc = program_dealloc;
+    ProgramType.tp_methods = program_methods;
+    ProgramType.tp_getset = program_getset;
+    if (PyType_Ready(&EventType) < 0 || PyType_Ready(&ProgramType) < 0) return nullptr;
+    PyObject* module = PyModule_Create(&module_def);
+    if (module == nullptr) return nullptr;
+    Py_INCREF(&EventType);
+    Py_INCREF(&ProgramType);
+    if (PyModule_AddObject(module, "Event", reinterpret_cast<PyObject*>(&EventType)) < 0 ||
+        PyModule_AddObject(module, "Program", reinterpret_cast<PyObject*>(&ProgramType)) < 0) {
+        Py_DECREF(module);
+        return nullptr;
+    }
+    return module;
+}

@@ -1,0 +1,413 @@
+"""The steady path of dispatch and combine on the kernels backend: a call of a shape seen before
+costs one call into C++ (`steady.cpp`), not a few dozen torch and driver calls from Python.
+
+An eager caller (Megatron's dispatcher, prefill in vLLM and SGLang) repeats a handful of shapes
+thousands of times, and on a GPU machine's CPU every torch call from Python costs 5-10 us
+(bench/NOTES.md, sessions 13-14). So:
+
+- The first call of a shape (its `key`: the arguments that are not tensors, the handle's shape and
+  `x`'s shape and dtype) takes the Python path, which validates everything, with a `Recorder` on the
+  runtime: it sees each allocation (`NvlinkRuntime.empty`), each launch with its parameter bytes
+  (`NvlinkRuntime.launch`) and each tensor whose address went into a parameter (`data_ptr`).
+- From that, `describe_program` describes a `Program`: the inputs' dtypes, sizes and strides, the
+  allocations, the returned views, and each launch with the offsets where the addresses of the
+  inputs and allocations go. It declines (the shape stays on the Python path) when an address is
+  ambiguous (two inputs at one address, an empty tensor) or comes from a tensor that is neither an
+  input, an allocation of the call nor one of the runtime's own (a copy made inside the call).
+- Later calls with the key go to `Program.run`, which compares every input tensor with the
+  recording (dtype, sizes, strides, device) and returns `None` on any difference: the call then
+  takes the Python path, whose checks raise the error a bad input deserves. Otherwise it makes V2's
+  stream choreography, allocates and launches; the handle and results are copies of the recorded
+  ones with the new tensors in place.
+
+What stays on the Python path: dispatches with CPU sync (the host waits for the counts between the
+launches), cached dispatches that update `cumulative_local_expert_recv_stats`, calls with
+`previous_event_before_epilogue`, calls inside a CUDA graph capture, buffers with rank masking, hybrid
+mode or peers outside the scale-up domain, and outputs with guard bytes (`LoopbackWorld(guard_bytes=)`).
+`EP_STEADY=0` turns the steady path off for new buffers. `EP_AVOID_RECORD_STREAM` is read when a
+shape is recorded.
+
+Memory: the steady path allocates what the Python path does, from the same caching allocator and
+stream pool; a program keeps alive only the runtime's own scratch tensors it points at.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from deep_ep.event import EventHandle, EventOverlap, avoid_record_stream
+from deep_ep.handle import EPHandle
+from deep_ep.jit import JITCompileError, param_bytes
+
+from .runtime import NvlinkRuntime, track_pointers
+
+SOURCE = Path(__file__).with_name("steady.cpp")
+# Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
+MAX_PROGRAMS = 64
+ENV_SWITCH = "EP_STEADY"
+
+# The tensors a fresh dispatch returns, in the order `dispatch_sources` lists them: the results, the
+# new handle's, and its backend state's
+RESULT_FIELDS = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")
+HANDLE_FIELDS = (
+    "topk_idx", "psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx", "num_masked_lanes",
+)  # fmt: skip
+STATE_FIELDS = ("slot_idx", "num_tokens_per_rank", "node_slot_idx", "num_tokens_per_node", "forward_map",
+                "forward_counts")  # fmt: skip
+
+
+@functools.cache
+def steady_module() -> tuple[ModuleType | None, str | None]:
+    """The compiled `steady.cpp` (built once per torch and Python, then cached), or `None` and why."""
+    from deep_ep.jit import load_torch_extension
+
+    try:
+        return load_torch_extension("deep_ep_steady", SOURCE.read_text()), None
+    except (JITCompileError, ImportError, OSError) as error:
+        return None, f"{type(error).__name__}: {error}"
+
+
+def steady_enabled() -> bool:
+    """Whether new buffers take the steady path (`EP_STEADY`, default on)."""
+    return os.environ.get(ENV_SWITCH, "1") not in ("", "0")
+
+
+class Recorder:
+    """What one call of the Python path allocated and launched (set as `NvlinkRuntime.recorder`)."""
+
+    def __init__(self) -> None:
+        self.allocs: list[torch.Tensor] = []
+        self.launches: list[tuple] = []
+        self.pointers: list[torch.Tensor] = []
+        self.problem: str | None = None
+
+    def allocated(self, tensor: torch.Tensor) -> None:
+        self.allocs.append(tensor)
+
+    def launched(self, kernel: Any, launch: dict[str, Any]) -> None:
+        if launch.get("shared_mem", 0) or launch.get("cluster") is not None:
+            self.problem = "a launch with dynamic shared memory or clusters"
+        dims = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in (launch["grid"], launch["block"])]
+        grid, block = ((*d, *(1,) * (3 - len(d))) for d in dims)
+        self.launches.append((kernel.handle, grid, block, bool(launch.get("cooperative", False)),
+                              bool(launch.get("pdl", False)), tuple(param_bytes(launch["args"])),
+                              launch.get("stream")))  # fmt: skip
+
+
+def _runtime_tensors(runtime: NvlinkRuntime) -> list[torch.Tensor]:
+    """The tensors the runtime owns (error block, scratch, count blocks): constant addresses."""
+    return [value for value in vars(runtime).values() if isinstance(value, torch.Tensor)]
+
+
+def describe_program(
+    runtime_tensors: Sequence[torch.Tensor], comm_stream: Any, recorder: Recorder,
+    inputs: Sequence[torch.Tensor | None], results: Sequence[torch.Tensor | None], clones: dict[int, int],
+    async_with_compute_stream: bool, allocate_on_comm_stream: bool,
+) -> tuple[tuple, tuple[int | None, ...], list[torch.Tensor]] | str:  # fmt: skip
+    """The description of a `Program` (steady.cpp's `parse_program`) that repeats the recorded call
+    for other tensors of the same shapes.
+
+    Arguments:
+        runtime_tensors: the tensors the runtime owns (their addresses stay in the program).
+        comm_stream: the communication stream (`torch.cuda.Stream`) every launch must be on.
+        inputs: the call's tensors (or `None`) in the order `Program.run` will get them.
+        results: the tensors the call returns (or `None`), each an input, a view of an allocation,
+            or (`clones`: result index -> input index) a copy of an input.
+
+    Returns:
+        `(description, sources, keep)`: per result, `k >= 0` for the program's output `k`, `-1 - i`
+        for input `i`, `None` for none; `keep`, the runtime tensors the program points at. Or the
+        reason it cannot be made.
+    """
+    if recorder.problem is not None:
+        return recorder.problem
+    sources: dict[int, int] = {}  # address -> input i (>= 0) or allocation j (-1 - j)
+    for index, tensor in enumerate(inputs):
+        if tensor is not None:
+            sources.setdefault(tensor.data_ptr(), index)
+            if tensor.data_ptr() == 0 or sources[tensor.data_ptr()] != index:
+                return "an empty input, or two inputs at one address"
+    for index, tensor in enumerate(recorder.allocs):
+        if tensor.data_ptr() == 0 or tensor.data_ptr() in sources:
+            return "an empty allocation"
+        sources[tensor.data_ptr()] = -1 - index
+    keep = []
+    for tensor in recorder.pointers:
+        if tensor.data_ptr() in sources:
+            continue
+        if not any(tensor is t for t in runtime_tensors):
+            return "a kernel argument points at a tensor made inside the call"
+        keep.append(tensor)
+    launches = []
+    for handle, grid, block, cooperative, pdl, params, stream in recorder.launches:
+        if stream is None or stream.cuda_stream != comm_stream.cuda_stream:
+            return "a launch off the communication stream"
+        patches = []
+        for param_idx, raw in enumerate(params):
+            for offset in range(0, len(raw) - 7, 8):
+                source = sources.get(int.from_bytes(raw[offset : offset + 8], "little"))
+                if source is not None:
+                    patches.append((param_idx, offset, source))
+        launches.append((handle, grid, block, cooperative, pdl, params, tuple(patches)))
+    allocs = [(t.dtype, tuple(t.shape), tuple(t.stride()), -1) for t in recorder.allocs]
+    outputs, result_sources = [], []
+    storages = {t.untyped_storage().data_ptr(): j for j, t in enumerate(recorder.allocs)}
+    for index, tensor in enumerate(results):
+        if tensor is None:
+            result_sources.append(None)
+            continue
+        if index in clones:
+            original = inputs[clones[index]]
+            if original is None or not original.is_contiguous():
+                return "a copy of a non-contiguous input"
+            allocs.append((original.dtype, tuple(original.shape), tuple(original.stride()), clones[index]))
+            alloc = len(allocs) - 1
+        else:
+            given = next((i for i, t in enumerate(inputs) if t is tensor), None)
+            if given is not None:
+                result_sources.append(-1 - given)
+                continue
+            alloc = storages.get(tensor.untyped_storage().data_ptr())
+            if alloc is None:
+                return "a result that is neither an input nor an allocation of the call"
+        outputs.append((alloc, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
+        result_sources.append(len(outputs) - 1)
+    input_specs = tuple(None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride())) for t in inputs)
+    description = (
+        comm_stream.device_index, (comm_stream.stream_id, comm_stream.device_index, comm_stream.device_type),
+        async_with_compute_stream, allocate_on_comm_stream, not avoid_record_stream(), input_specs, tuple(allocs),
+        tuple(outputs), tuple(launches),
+    )  # fmt: skip
+    return description, tuple(result_sources), keep
+
+
+class Entry:
+    """A recorded shape: its program, where each result comes from, and the templates of the
+    objects a call returns."""
+
+    __slots__ = ("handle", "keep", "program", "result_sources", "state")
+
+    def __init__(self, program: Any, result_sources: tuple[int | None, ...], keep: list[torch.Tensor],
+                 handle: EPHandle | None = None, state: Any = None) -> None:  # fmt: skip
+        self.program, self.result_sources, self.keep = program, result_sources, keep
+        self.handle, self.state = handle, state
+
+
+def _copy_with(template: Any, names: tuple[str, ...], values: Sequence[Any]) -> Any:
+    """A shallow copy of `template` (a plain object) with `names` set to `values`."""
+    copy = object.__new__(type(template))
+    copy.__dict__.update(template.__dict__)
+    copy.__dict__.update(zip(names, values, strict=True))
+    return copy
+
+
+def previous_event_handle(previous_event: EventHandle | None) -> int | None:
+    """The `CUevent` a call's communication waits for (`None`: none, or not yet recorded)."""
+    if previous_event is None or previous_event.event is None:
+        return None
+    return previous_event.event.cuda_event or None
+
+
+class SteadyPath:
+    """The recorded shapes of one buffer and the calls that replay them (`ElasticBuffer.dispatch`
+    and `.combine` ask it first). One thread at a time, like the buffer."""
+
+    def __init__(self, module: ModuleType, runtime: NvlinkRuntime, comm_stream: torch.cuda.Stream,
+                 buffer_id: int) -> None:  # fmt: skip
+        self.module = module
+        self.runtime = runtime
+        self.comm_stream = comm_stream
+        self.buffer_id = buffer_id
+        self.entries: dict[tuple, Entry | None] = {}  # None: the shape cannot take the steady path
+        self.declined: dict[tuple, str] = {}  # why, per such shape
+        self.recorder: Recorder | None = None
+        self.num_calls = 0  # calls served by a program
+
+    # ----------------------------------------------------------------------------------- keys
+
+    def dispatch_key(
+        self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any, num_experts: Any, num_max_tokens_per_rank: Any,
+        expert_alignment: Any, num_sms: Any, num_qps: Any, previous_event: Any, previous_event_before_epilogue: Any,
+        async_with_compute_stream: Any, allocate_on_comm_stream: Any, handle: Any, do_handle_copy: Any,
+        do_cpu_sync: Any, do_expand: Any, do_zero_padding: Any, use_tma_aligned_col_major_sf: Any,
+    ) -> tuple | None:  # fmt: skip
+        """The key of a dispatch, or `None` when it takes the Python path anyway."""
+        if previous_event_before_epilogue is not None or (previous_event is not None and
+                                                          type(previous_event) is not EventHandle):  # fmt: skip
+            return None
+        if handle is None:
+            if do_cpu_sync is not False:  # `None` means True without a handle
+                return None
+            shape = None
+        else:
+            if type(handle) is not EPHandle or handle.buffer_id != self.buffer_id or stats is not None:
+                return None
+            shape = handle_shape(handle)
+        if type(x) is tuple:
+            if len(x) != 2 or not isinstance(x[0], torch.Tensor) or not isinstance(x[1], torch.Tensor):
+                return None
+            x_key = (x[0].shape, x[0].dtype, x[1].shape, x[1].dtype)
+        elif isinstance(x, torch.Tensor):
+            x_key = (x.shape, x.dtype)
+        else:
+            return None
+        scalars = (num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps,
+                   async_with_compute_stream, allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
+                   do_zero_padding, use_tma_aligned_col_major_sf)  # fmt: skip
+        # Types too: `num_experts=256.0` or `do_expand=1` must meet the Python path's checks
+        return ("dispatch", x_key, shape, topk_idx is None, topk_weights is None, stats is None, previous_event is None, scalars,
+                tuple(map(type, scalars)))  # fmt: skip
+
+    def combine_key(
+        self, x: Any, handle: Any, topk_weights: Any, bias: Any, num_sms: Any, num_qps: Any, previous_event: Any,
+        previous_event_before_epilogue: Any, async_with_compute_stream: Any, allocate_on_comm_stream: Any,
+    ) -> tuple | None:  # fmt: skip
+        """The key of a combine, or `None` when it takes the Python path anyway."""
+        if previous_event_before_epilogue is not None or (previous_event is not None and
+                                                          type(previous_event) is not EventHandle):  # fmt: skip
+            return None
+        if type(handle) is not EPHandle or handle.buffer_id != self.buffer_id or not isinstance(x, torch.Tensor):
+            return None
+        if type(bias) is tuple and len(bias) != 2:
+            return None
+        scalars = (num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream)
+        return ("combine", x.shape, x.dtype, handle_shape(handle), topk_weights is None, type(bias),
+                previous_event is None, scalars, tuple(map(type, scalars)))  # fmt: skip
+
+    # ----------------------------------------------------------------------------- recording
+
+    def start(self, key: tuple | None) -> Recorder | None:
+        """Record the Python path's call of `key`: a shape without a program yet, or one whose program
+        refused this call's inputs (a new layout may be there to stay). Not inside a graph capture,
+        which takes the Python path every time."""
+        if key is None or (key in self.entries and self.entries[key] is None):
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        self.recorder = self.runtime.recorder = Recorder()
+        track_pointers(self.recorder.pointers)
+        return self.recorder
+
+    def stop(self) -> None:
+        self.recorder = self.runtime.recorder = None
+        track_pointers(None)
+
+    def _remember(self, key: tuple, built: Any, handle: EPHandle | None = None, state: Any = None) -> None:
+        if isinstance(built, str) and self.entries.get(key) is not None:
+            return  # a call unlike the recorded one (its inputs' layout): the recording stays
+        if len(self.entries) >= MAX_PROGRAMS:
+            del self.entries[next(iter(self.entries))]
+        if isinstance(built, str):
+            self.entries[key] = None
+            self.declined[key] = built
+            return
+        description, result_sources, keep = built
+        self.entries[key] = Entry(self.module.Program(description), result_sources, keep, handle, state)
+
+    def record_dispatch(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, handle: EPHandle,
+                        fresh: bool, do_handle_copy: bool, request: Any) -> None:  # fmt: skip
+        """Make the program of a dispatch the Python path just ran (`inputs`: `dispatch_inputs`)."""
+        results = [getattr(result, name) for name in RESULT_FIELDS]
+        clones: dict[int, int] = {}
+        if fresh:
+            results += [getattr(handle, name) for name in HANDLE_FIELDS]
+            results += [getattr(handle.backend_state, name) for name in STATE_FIELDS]
+            if do_handle_copy:
+                clones[len(RESULT_FIELDS)] = 2  # the handle's copy of topk_idx
+        built = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs, results, clones,
+                                 request.async_with_compute_stream, request.allocate_on_comm_stream)  # fmt: skip
+        templates: tuple[Any, Any] = (None, None)
+        if fresh:  # without tensors: a template must not keep the recorded call's outputs alive
+            state = _copy_with(handle.backend_state, STATE_FIELDS, [None] * len(STATE_FIELDS))
+            templates = (_copy_with(handle, HANDLE_FIELDS, [None] * len(HANDLE_FIELDS)), state)
+            templates[0].backend_state = None
+        self._remember(key, built, *templates)
+
+    def record_combine(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, request: Any) -> None:
+        """Make the program of a combine the Python path just ran (`inputs`: `combine_inputs`)."""
+        built = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs,
+                                 [result.combined_x, result.combined_topk_weights], {},
+                                 request.async_with_compute_stream, request.allocate_on_comm_stream)  # fmt: skip
+        self._remember(key, built)
+
+    # ------------------------------------------------------------------------------- replays
+
+    def _run(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> list | None:
+        runtime = self.runtime
+        runtime.check_error()
+        outputs = entry.program.run(inputs, previous_event_handle(previous_event))
+        if outputs is None:
+            return None
+        self.num_calls += 1
+        if entry.handle is not None:  # a fresh dispatch: its routing is checked on the device
+            runtime.num_experts_checked = entry.handle.num_experts
+        # An invalid `topk_idx` an earlier dispatch found on the device, raised once this call is enqueued
+        runtime.take_input_error()
+        return [None if s is None else outputs[s] if s >= 0 else inputs[-1 - s] for s in entry.result_sources] + [
+            outputs[-1]
+        ]
+
+    def dispatch(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
+                 handle: EPHandle | None) -> tuple | None:  # fmt: skip
+        """Replay a dispatch: V2's results `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`,
+        or `None` when an input differs from the recording."""
+        values = self._run(entry, inputs, previous_event)
+        if values is None:
+            return None
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights = values[:4]
+        if handle is None:
+            num_results, num_handle = len(RESULT_FIELDS), len(HANDLE_FIELDS)
+            state = _copy_with(entry.state, STATE_FIELDS, values[num_results + num_handle : -1])
+            handle = _copy_with(entry.handle, HANDLE_FIELDS, values[num_results : num_results + num_handle])
+            handle.backend_state = state
+            handle.num_recv_tokens_per_expert_list = []
+        event = EventOverlap(EventHandle.of(values[-1]))
+        return (
+            (recv_x if recv_scales is None else (recv_x, recv_scales)),
+            recv_topk_idx,
+            recv_topk_weights,
+            handle,
+            event,
+        )
+
+    def combine(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> tuple | None:
+        """Replay a combine: `(combined_x, combined_topk_weights, event)`, or `None` when an input
+        differs from the recording."""
+        values = self._run(entry, inputs, previous_event)
+        if values is None:
+            return None
+        return values[0], values[1], EventOverlap(EventHandle.of(values[2]))
+
+    @staticmethod
+    def dispatch_inputs(x: Any, topk_idx: Any, topk_weights: Any, stats: Any, handle: EPHandle | None) -> tuple:
+        """The tensors of a dispatch in the order its program takes them: data, scales, routing, weights,
+        statistics, then a cached handle's (routing, slots, counts, metadata)."""
+        data, scales = x if type(x) is tuple else (x, None)
+        if handle is None:
+            return data, scales, topk_idx, topk_weights, stats
+        state = handle.backend_state
+        return (data, scales, handle.topk_idx, topk_weights, stats, state.slot_idx, state.num_tokens_per_rank,
+                handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata)  # fmt: skip
+
+    @staticmethod
+    def combine_inputs(x: torch.Tensor, handle: EPHandle, topk_weights: Any, bias: Any) -> tuple:
+        """The tensors of a combine in the order its program takes them."""
+        bias_0, bias_1 = bias if type(bias) is tuple else (bias, None)
+        state = handle.backend_state
+        return (x, topk_weights, bias_0, bias_1, handle.topk_idx, handle.recv_src_metadata,
+                handle.psum_num_recv_tokens_per_scaleup_rank, state.slot_idx, state.num_tokens_per_rank)  # fmt: skip
+
+
+def handle_shape(handle: EPHandle) -> tuple:
+    """What of a handle decides the shapes of a cached dispatch or combine with it."""
+    return (handle.num_tokens, handle.num_recv_tokens, handle.num_expanded_tokens, handle.do_expand,
+            handle.num_experts, handle.num_max_tokens_per_rank, handle.expert_alignment, handle.num_sms,
+            handle.hidden, handle.num_topk, handle.do_cpu_sync, handle.scale_kind)  # fmt: skip

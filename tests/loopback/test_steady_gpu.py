@@ -1,0 +1,159 @@
+"""The steady path (`deep_ep.backends.kernels.steady`) on virtual ranks of one GPU: calls of a shape
+seen before are replayed by the C++ program, with new data and new handles each time, and every
+output is bitwise what `deep_ep.reference` gives (`sweep.run_case`). Also: an input whose layout
+differs from the recording takes the Python path, and the steady path steps aside where it must
+(CPU sync, `previous_event_before_epilogue`, guard bytes). Run on the GPU machine: `python -m pytest
+-m gpu tests/loopback/test_steady_gpu.py`; the sweep (`test_loopback_gpu.py`) replays half its cases.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deep_ep.loopback import LoopbackWorld
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+NUM_ITERS = 5
+
+
+def _seed() -> int:
+    return int(os.environ.get("EP_TEST_SEED", time.time_ns() % 1_000_000))
+
+
+# One shape per case, every option the steady path takes: plain and FP8 data (row- and column-major
+# scales), expanded layouts with alignment and padding, weights, biases, statistics, cached
+# dispatches, and each stream mode it replays
+BASE = dict(
+    index=0, routing="uniform", masked=0.0, zero_all=False, zero_rank=False, full_rank=False, weights=True,
+    stats=False, alignment=1, expand=False, zero_padding=False, cpu_sync=False, cached=True, handle_copy=True,
+    call_max_tokens=False, num_bias=0, multiple_reduction=True, num_sms=0, combine_num_sms=0, stream="plain",
+    col_major=False, cached_weights=True, replay=False,
+)  # fmt: skip
+CASES = {
+    "ep2-bf16-bias2": (2, dict(hidden=7168, num_topk=8, dtype="bf16", num_local_experts=8, num_tokens=200,
+                               num_bias=2, max_tokens=512)),
+    "ep4-fp8-expand-async": (4, dict(hidden=7168, num_topk=8, dtype="fp32", num_local_experts=3, num_tokens=77,
+                                     expand=True, zero_padding=True, alignment=128, col_major=True, stream="async",
+                                     multiple_reduction=False, max_tokens=512)),
+    "ep4-ue8m0-previous-stats": (4, dict(hidden=2064, num_topk=6, dtype="ue8m0", num_local_experts=16,
+                                         num_tokens=300, stats=True, stream="previous", handle_copy=False,
+                                         num_sms=8, combine_num_sms=6, max_tokens=512)),
+    "ep8-bf16-on-comm-expand": (8, dict(hidden=4096, num_topk=9, dtype="bf16", num_local_experts=2,
+                                        num_tokens=64, expand=True, stream="on_comm", num_bias=1, max_tokens=256)),
+}  # fmt: skip
+
+
+def _steady_rank(rank: int, group: dist.ProcessGroup, case: dict, seed: int) -> dict:
+    from sweep import make_buffers, run_case
+
+    buffers = make_buffers(group, group.size())
+    kernels = buffers[case["multiple_reduction"]][0]
+    try:
+        for i in range(NUM_ITERS):  # the same shapes, new data and routing each time
+            run_case(buffers, rank, group.size(), case, seed + 101 * i)
+        return {"steady": kernels._steady is not None, "calls": kernels._steady.num_calls if kernels._steady else 0}
+    finally:
+        for pair in buffers.values():
+            for buffer in pair:
+                buffer.destroy()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_replayed_calls_are_bitwise_equal_to_the_reference(name):
+    from deep_ep.jit import compile_many
+    from sweep import kernel_specs
+
+    num_ranks, options = CASES[name]
+    case = {**BASE, **options}
+    compile_many(kernel_specs(num_ranks))
+    seed = _seed()
+    world = LoopbackWorld(num_ranks)
+    try:
+        outcomes = world.run(_steady_rank, case, seed)
+    finally:
+        world.close()
+    # Every call after the first of its shape: the fresh dispatch, the cached one and the combine
+    expected = (NUM_ITERS - 1) * 3
+    assert all(o["steady"] for o in outcomes), outcomes
+    assert [o["calls"] for o in outcomes] == [expected] * num_ranks, (outcomes, seed)
+    print(f"\nsteady {name}: seed {seed}, {expected} replayed calls per rank, bitwise equal")
+
+
+def _fallback_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict:
+    from kernel_checks import make_inputs
+
+    import deep_ep
+
+    num_experts = 8 * group.size()
+    sizes = dict(num_max_tokens_per_rank=128, hidden=2048, num_topk=8, use_fp8_dispatch=True, explicitly_destroy=True)
+    buf = deep_ep.ElasticBuffer(group, **sizes)
+    ref = deep_ep.ElasticBuffer(group, backend="reference", **sizes)
+    outcome: dict = {}
+    try:
+        (data, scales), topk_idx, _, _ = make_inputs(rank, group.size(), 96, 2048, "fp32", num_experts, 8, "uniform",
+                                                     0.0, 0, seed, "cuda")  # fmt: skip
+        routed = dict(topk_idx=topk_idx, num_experts=num_experts, do_cpu_sync=False)
+        buf.dispatch((data, scales), **routed)  # recorded
+        # The same key with column-major scales (any strides are valid): the program refuses them, the
+        # Python path copies them, and a recording of that call is not made (the copy is the call's own)
+        col_major = scales.t().contiguous().t()
+        calls = buf._steady.num_calls
+        out = buf.dispatch((data, col_major), **routed)
+        expected = ref.dispatch((data, scales), **routed)
+        torch.cuda.current_stream().synchronize()
+        rows = int(expected[3].psum_num_recv_tokens_per_scaleup_rank[-1])
+        outcome["equal"] = all(torch.equal(a[:rows], b[:rows]) for a, b in zip(out[0], expected[0], strict=True))
+        outcome["steady_after_col_major"] = buf._steady.num_calls - calls
+        # CPU sync and an event before the epilogue stay on the Python path
+        calls = buf._steady.num_calls
+        for _ in range(2):
+            buf.dispatch((data, scales), topk_idx=topk_idx, num_experts=num_experts)
+            buf.dispatch((data, scales), previous_event_before_epilogue=deep_ep.ElasticBuffer.capture(), **routed)
+        outcome["steady_after_python_only"] = buf._steady.num_calls - calls
+        # And the recorded shape still replays
+        calls = buf._steady.num_calls
+        again = buf.dispatch((data, scales), **routed)
+        outcome["steady_again"] = buf._steady.num_calls - calls
+        torch.cuda.current_stream().synchronize()
+        outcome["equal_again"] = all(
+            torch.equal(a[:rows], b[:rows]) for a, b in zip(again[0], expected[0], strict=True)
+        )
+    finally:
+        buf.destroy()
+        ref.destroy()
+    return outcome
+
+
+def test_an_input_unlike_the_recording_and_the_python_only_calls_take_the_python_path():
+    world = LoopbackWorld(2)
+    try:
+        outcomes = world.run(_fallback_rank, _seed())
+    finally:
+        world.close()
+    for outcome in outcomes:
+        assert outcome == dict(equal=True, steady_after_col_major=0, steady_after_python_only=0, steady_again=1,
+                               equal_again=True), outcomes  # fmt: skip
+
+
+def _guarded_rank(rank: int, group: dist.ProcessGroup) -> bool:
+    import deep_ep
+
+    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=2048, num_topk=8, explicitly_destroy=True)
+    try:
+        return buf._steady is None
+    finally:
+        buf.destroy()
+
+
+def test_a_world_with_guard_bytes_has_no_steady_path():
+    world = LoopbackWorld(2, guard_bytes=4096)
+    try:
+        assert world.run(_guarded_rank) == [True, True]
+    finally:
+        world.close()

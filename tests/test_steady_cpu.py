@@ -1,0 +1,119 @@
+"""The steady path's parts that run without a GPU (`deep_ep.backends.kernels.steady`): the C++
+program compiled against this torch and its checks of a description and of the inputs, and what a
+recording becomes (which parameter words are patched with which tensor's address, and when a call
+is refused). Its replays run on the GPU machine (`tests/loopback/test_steady_gpu.py`)."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from deep_ep.jit import U64, Opaque
+
+from deep_ep.backends.kernels.steady import Recorder, describe_program, steady_module
+
+# The module is compiled with nvcc (skipped with the reason where it is not found: tests/conftest.py)
+pytestmark = pytest.mark.nvcc
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint64), ("n", ctypes.c_int), ("out", ctypes.c_uint64), ("scratch", ctypes.c_uint64)]
+
+
+def _stream(handle: int = 7) -> SimpleNamespace:
+    """A stand-in for the communication stream: only its identity is read here."""
+    return SimpleNamespace(cuda_stream=handle, stream_id=3, device_index=0, device_type=1)
+
+
+def _recording(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, stream: SimpleNamespace) -> Recorder:
+    """A recording of one launch whose struct and scalar point at `x`, `out` and `scratch`."""
+    recorder = Recorder()
+    recorder.allocated(out)
+    recorder.pointers += [x, out, scratch]
+    args = _Args(x=x.data_ptr(), n=random.randint(1, 1000), out=out.data_ptr(), scratch=scratch.data_ptr())
+    recorder.launched(SimpleNamespace(handle=0x1234), dict(grid=(5,), block=(128,), stream=stream, pdl=True,
+                                                            args=(Opaque(bytes(args)), U64(out.data_ptr()))))  # fmt: skip
+    return recorder
+
+
+def test_a_recording_becomes_patches_at_each_address_of_an_input_or_allocation():
+    stream, scratch = _stream(), torch.randn(16)
+    x, out = torch.randn(4, 8), torch.empty(32)
+    recorder = _recording(x, out, scratch, stream)
+    view = out[8:].view(4, 6)
+    built = describe_program([scratch], stream, recorder, [x, None], [view, x, None], {}, False, True)
+    assert not isinstance(built, str), built
+    description, sources, keep = built
+    (handle, grid, block, cooperative, pdl, _, patches) = description[8][0]
+    assert (handle, grid, block, cooperative, pdl) == (0x1234, (5, 1, 1), (128, 1, 1), False, True)
+    # x's address in the struct at 0, the allocation's at 16 and in the scalar; the scratch stays
+    assert patches == ((0, _Args.x.offset, 0), (0, _Args.out.offset, -1), (1, 0, -1))
+    assert [k for k in keep] == [scratch]
+    assert sources == (0, -1, None)  # the view is output 0; x is input 0 itself
+    assert description[7] == ((0, (4, 6), (6, 1), 8),)
+    assert description[5] == ((torch.float32, (4, 8), (8, 1)), None)
+    assert description[2:4] == (False, True)
+
+
+def test_a_recording_is_refused_where_an_address_could_go_stale():
+    stream, scratch = _stream(), torch.randn(16)
+    x, out = torch.randn(4, 8), torch.empty(32)
+    copy_made_inside = torch.randn(4, 8)
+    recorder = _recording(x, out, scratch, stream)
+    recorder.pointers.append(copy_made_inside)
+    assert "made inside the call" in describe_program([scratch], stream, recorder, [x], [out], {}, False, False)
+    recorder = _recording(x, out, scratch, stream)
+    assert "two inputs at one address" in describe_program([scratch], stream, recorder, [x, x[0]], [out], {}, False,
+                                                           False)  # fmt: skip
+    recorder = _recording(x, out, scratch, _stream(8))
+    assert "off the communication stream" in describe_program([scratch], stream, recorder, [x], [out], {}, False,
+                                                              False)  # fmt: skip
+    recorder = _recording(x, out, scratch, stream)
+    other = torch.randn(3)
+    assert "neither an input nor an allocation" in describe_program([scratch], stream, recorder, [x], [other], {},
+                                                                    False, False)  # fmt: skip
+    recorder = _recording(x, out, scratch, stream)
+    assert "non-contiguous" in describe_program([scratch], stream, recorder, [x.t()], [out, x.clone()], {1: 0}, False,
+                                                False)  # fmt: skip
+
+
+def test_the_compiled_program_checks_its_description_and_its_inputs():
+    module, reason = steady_module()
+    assert module is not None, reason
+    stream, scratch = _stream(), torch.randn(16)
+    x, out = torch.randn(4, 8), torch.empty(32)
+    description, _, _ = describe_program([scratch], stream, _recording(x, out, scratch, stream), [x, None], [out], {},
+                                         False, False)  # fmt: skip
+    program = module.Program(description)
+    assert program.num_runs == 0
+    # The recorded inputs were CPU tensors and a program runs on CUDA ones: every call is refused
+    # before anything is enqueued, so the caller takes the Python path
+    assert program.run((x, None), None) is None
+    assert program.run((torch.randn(4, 9), None), None) is None
+    assert program.run((x, x), None) is None  # `None` was recorded there
+    assert program.run((None, None), None) is None
+    with pytest.raises(TypeError, match="expected 2 inputs, got 1"):
+        program.run((x,), None)
+    with pytest.raises(TypeError):
+        program.run([x, None], None)
+    # Descriptions are checked when the program is made
+    bad_patch = list(description)
+    launch = list(description[8][0])
+    launch[6] = ((0, 40, 0),)  # past the 32-byte struct
+    bad_patch[8] = (tuple(launch),)
+    with pytest.raises(ValueError, match="patch out of range"):
+        module.Program(tuple(bad_patch))
+    bad_dtype = list(description)
+    bad_dtype[5] = (("float32", (4, 8), (8, 1)), None)
+    with pytest.raises(ValueError, match=r"torch\.dtype"):
+        module.Program(tuple(bad_dtype))
+    with pytest.raises(ValueError, match="too short"):
+        module.Program(description[:5])
+    # With nothing to check the program reaches the driver, which this machine may not have
+    empty = (0, description[1], False, False, True, (), (), (), ())
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="libcuda"):
+            module.Program(empty).run((), None)
