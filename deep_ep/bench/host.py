@@ -158,14 +158,24 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
     drain = wait_for_stream if on_gpu else lambda: None  # CPU ranks: every call returns done
     steady = getattr(buffer, "_steady", None)  # the kernels' replays of recorded shapes
 
-    def served() -> int:
-        return 0 if steady is None else steady.num_calls
+    def served() -> tuple[int, dict[str, int]]:
+        return (0, {}) if steady is None else (steady.num_calls, steady.phase_ns())
 
     times = {}
     for op in HOST_OPS:
-        before = served()
+        calls_before, phases_before = served()
         times[op] = _time_call(calls[op], align, drain, config.num_warmups, config.num_iters)
-        times[op]["steady_calls"] = served() - before  # of num_warmups + num_iters
+        calls_after, phases_after = served()
+        times[op]["steady_calls"] = calls_after - calls_before  # of num_warmups + num_iters
+        # Inside the C++ replays (deep_ep.backends.kernels.steady.PHASES), microseconds per call
+        times[op]["steady_phase_us"] = (
+            {
+                name: (ns - phases_before.get(name, 0)) / 1e3 / times[op]["steady_calls"]
+                for name, ns in phases_after.items()
+            }
+            if times[op]["steady_calls"]
+            else None
+        )
         if config.host_soak_calls:
             times[op].update(_soak(calls[op], align, drain, config.host_soak_calls, on_gpu))
     profiles = {}
@@ -181,6 +191,10 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
         walls = ", ".join(f"{op} {times[op]['host_wall_us']:.1f} us ({times[op]['steady_calls']} steady)"
                           for op in HOST_OPS)  # fmt: skip
         print(f"host cost, T={case.num_tokens} {case.dtype} {case.routing}: {walls}", file=sys.stderr, flush=True)
+        for op in HOST_OPS:
+            if times[op]["steady_phase_us"]:
+                phases = ", ".join(f"{name} {us:.1f}" for name, us in times[op]["steady_phase_us"].items())
+                print(f"  {op} in C++ (us per call): {phases}", file=sys.stderr, flush=True)
         if config.host_soak_calls:
             grown = ", ".join(f"{op} {times[op]['soak_allocated_after'] - times[op]['soak_allocated_before']:+d} B"
                               for op in HOST_OPS)  # fmt: skip

@@ -23,6 +23,8 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <array>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -72,6 +74,9 @@ std::string driver_error(CUresult result, const char* what) {
 
 // --------------------------------------------------------------------------------- the program
 
+// The phases of a call, in order (steady.py's `PHASES` names them)
+constexpr int kNumPhases = 6;
+
 struct InputSpec {
     bool present;  // false: the recording saw None, and None is expected
     at::ScalarType dtype;
@@ -112,6 +117,7 @@ struct Program {
     std::vector<Launch> launches;
     std::optional<c10::Event> compute_ready;  // the compute stream's point the comm stream waits for
     uint64_t num_runs = 0;
+    std::array<uint64_t, kNumPhases> phase_ns{};
 };
 
 struct ProgramObject {
@@ -260,9 +266,21 @@ struct RunFailure {
     std::string message;
 };
 
+// Where a call's host time goes (`Program.phase_ns`): the time since the previous mark is added to a phase
+struct PhaseClock {
+    std::array<uint64_t, kNumPhases>& totals;
+    std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+
+    void mark(int phase) {
+        auto now = std::chrono::steady_clock::now();
+        totals[phase] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
+        last = now;
+    }
+};
+
 // What `run` does without the GIL: returns the output tensors and the end event.
 std::vector<at::Tensor> run_native(Program& program, const std::vector<const at::Tensor*>& inputs, void* previous_event,
-                                   c10::Event& end_event) {
+                                   c10::Event& end_event, PhaseClock& clock) {
     const Driver& d = driver();
     const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::Device device(c10::DeviceType::CUDA, program.device_index);
@@ -279,6 +297,7 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
         program.compute_ready->record(compute);
         program.compute_ready->block(comm);
     }
+    clock.mark(1);
 
     // Allocations come from the communication stream's pool (the Python path allocates with it
     // current), so it is made current for them
@@ -294,6 +313,7 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
         throw;
     }
     impl->exchangeStream(previous);
+    clock.mark(2);
 
     for (size_t i = 0; i < allocs.size(); ++i) {
         int source = program.allocs[i].clone_of;
@@ -334,6 +354,8 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
         if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuLaunchKernelEx")};
     }
 
+    clock.mark(3);
+
     // V2's epilogue of the stream choreography (deep_ep.event.CommStreamScope.finish)
     end_event.record(comm);
     if (program.async_with_compute_stream) {
@@ -350,6 +372,7 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
             for (const at::Tensor& t : allocs) impl->recordDataPtrOnStream(t.storage().data_ptr(), compute);
     }
     (void)compute_handle;
+    clock.mark(4);
 
     std::vector<at::Tensor> outputs;
     outputs.reserve(program.outputs.size());
@@ -363,6 +386,7 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
 //   is being captured (the caller takes the Python path)
 PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
     Program& program = *reinterpret_cast<ProgramObject*>(self)->program;
+    PhaseClock clock{program.phase_ns};
     if (num_args != 2 || !PyTuple_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "Program.run(inputs: tuple, previous_event: int | None)");
         return nullptr;
@@ -396,12 +420,14 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
         PyErr_SetString(PyExc_RuntimeError, d.problem.c_str());
         return nullptr;
     }
+    clock.mark(0);
 
     std::vector<at::Tensor> outputs;
     std::string failure;
     bool captured = false;
     auto* end_event = new c10::Event(c10::DeviceType::CUDA);
-    Py_BEGIN_ALLOW_THREADS try {
+    PyThreadState* saved = PyEval_SaveThread();  // the launches may block: other virtual ranks go on
+    try {
         // A capture takes the Python path, whose every step is capture-safe (the events above are
         // reused across calls, which a graph would freeze)
         const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
@@ -413,13 +439,14 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
         if (status != CU_STREAM_CAPTURE_STATUS_NONE)
             captured = true;
         else
-            outputs = run_native(program, inputs, previous_event, *end_event);
+            outputs = run_native(program, inputs, previous_event, *end_event, clock);
     } catch (const RunFailure& error) {
         failure = error.message;
     } catch (const std::exception& error) {
         failure = error.what();
     }
-    Py_END_ALLOW_THREADS if (!failure.empty() || captured) {
+    PyEval_RestoreThread(saved);
+    if (!failure.empty() || captured) {
         delete end_event;
         if (captured) Py_RETURN_NONE;
         PyErr_SetString(PyExc_RuntimeError, ("deep_ep steady path: " + failure).c_str());
@@ -448,11 +475,20 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
     }
     event->event = end_event;
     PyTuple_SET_ITEM(result, outputs.size(), reinterpret_cast<PyObject*>(event));
+    clock.mark(5);
     return result;
 }
 
 PyObject* program_num_runs(PyObject* self, void*) {
     return PyLong_FromUnsignedLongLong(reinterpret_cast<ProgramObject*>(self)->program->num_runs);
+}
+
+PyObject* program_phase_ns(PyObject* self, void*) {
+    const auto& totals = reinterpret_cast<ProgramObject*>(self)->program->phase_ns;
+    PyObject* out = PyTuple_New(kNumPhases);
+    if (out == nullptr) return nullptr;
+    for (int i = 0; i < kNumPhases; ++i) PyTuple_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(totals[i]));
+    return out;
 }
 
 PyObject* program_new(PyTypeObject* type, PyObject* args, PyObject*) {
@@ -533,10 +569,14 @@ PyObject* event_query(PyObject* self, PyObject*) {
 PyObject* event_synchronize(PyObject* self, PyObject*) {
     std::string failure;
     c10::Event* event = reinterpret_cast<EventObject*>(self)->event;
-    Py_BEGIN_ALLOW_THREADS try { event->synchronize(); } catch (const std::exception& error) {
+    PyThreadState* saved = PyEval_SaveThread();
+    try {
+        event->synchronize();
+    } catch (const std::exception& error) {
         failure = error.what();
     }
-    Py_END_ALLOW_THREADS if (!failure.empty()) {
+    PyEval_RestoreThread(saved);
+    if (!failure.empty()) {
         PyErr_SetString(PyExc_RuntimeError, failure.c_str());
         return nullptr;
     }
@@ -567,6 +607,7 @@ PyMethodDef program_methods[] = {{"run", reinterpret_cast<PyCFunction>(reinterpr
                                  {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef program_getset[] = {{"num_runs", program_num_runs, nullptr, "calls served", nullptr},
+                                {"phase_ns", program_phase_ns, nullptr, "host nanoseconds per phase, summed", nullptr},
                                 {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "deep_ep_steady", "deep_ep's steady path (steady.cpp)", -1, nullptr};

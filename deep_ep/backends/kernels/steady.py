@@ -52,6 +52,8 @@ SOURCE = Path(__file__).with_name("steady.cpp")
 # Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
 MAX_PROGRAMS = 64
 ENV_SWITCH = "EP_STEADY"
+# The phases of a replay whose host nanoseconds a program sums (`Program.phase_ns`, steady.cpp)
+PHASES = ("checks", "stream wait", "allocations", "launches", "end event and record_stream", "outputs to Python")
 
 # The tensors a fresh dispatch returns, in the order `dispatch_sources` lists them: the results, the
 # new handle's, and its backend state's
@@ -230,6 +232,14 @@ class SteadyPath:
         self.declined: dict[tuple, str] = {}  # why, per such shape
         self.recorder: Recorder | None = None
         self.num_calls = 0  # calls served by a program
+
+    def phase_ns(self) -> dict[str, int]:
+        """Host nanoseconds per phase (`PHASES`) summed over this buffer's replays so far."""
+        totals = [0] * len(PHASES)
+        for entry in self.entries.values():
+            if entry is not None:
+                totals = [a + b for a, b in zip(totals, entry.program.phase_ns, strict=True)]
+        return dict(zip(PHASES, totals, strict=True))
 
     # ----------------------------------------------------------------------------------- keys
 
