@@ -228,6 +228,20 @@ def _cuda_python_line() -> str:
         return f"not installed as a package; its cuda-bindings {bindings} is (what deep_ep calls)"
 
 
+def _steady_line() -> str:
+    """Whether buffers on the kernels take the steady path (deep_ep.backends.kernels.steady), without building it."""
+    import sysconfig
+
+    from deep_ep.backends.kernels.steady import ENV_SWITCH, steady_enabled
+
+    if not steady_enabled():
+        return f"off ({ENV_SWITCH}=0): every call takes the Python path"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.exists():
+        return f"off: no {headers} to build it with (install python3-dev); every call takes the Python path"
+    return "on: repeated shapes replay in C++ (built with the JIT at the first buffer)"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     """Print versions, GPUs and the JIT cache; never fails."""
     import deep_ep
@@ -245,6 +259,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("cuda-core", _try(lambda: _version("cuda-core"))),
         ("transport", _try(_transport_line)),
         ("scale-out", _try(_scale_out_line)),
+        ("steady path", _try(_steady_line)),
         ("JIT cache", _try(_cache_line)),
         ("JIT arch", _try(_arch_line, "not set")),
     ]
