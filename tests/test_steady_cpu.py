@@ -47,7 +47,8 @@ def test_a_recording_becomes_patches_at_each_address_of_an_input_or_allocation()
     built = describe_program([scratch], stream, recorder, [x, None], [view, x, None], {}, False, True)
     assert not isinstance(built, str), built
     description, sources, keep = built
-    (handle, grid, block, cooperative, pdl, _, patches) = description[8][0]
+    (handle, grid, block, cooperative, pdl, _, patches, fields) = description[8][0]
+    assert fields == ()
     assert (handle, grid, block, cooperative, pdl) == (0x1234, (5, 1, 1), (128, 1, 1), False, True)
     # x's address in the struct at 0, the allocation's at 16 and in the scalar; the scratch stays
     assert patches == ((0, _Args.x.offset, 0), (0, _Args.out.offset, -1), (1, 0, -1))
@@ -91,14 +92,16 @@ def test_the_compiled_program_checks_its_description_and_its_inputs():
     assert program.num_runs == 0
     # The recorded inputs were CPU tensors and a program runs on CUDA ones: every call is refused
     # before anything is enqueued, so the caller takes the Python path
-    assert program.run((x, None), None) is None
-    assert program.run((torch.randn(4, 9), None), None) is None
-    assert program.run((x, x), None) is None  # `None` was recorded there
-    assert program.run((None, None), None) is None
-    with pytest.raises(TypeError, match="expected 2 inputs, got 1"):
-        program.run((x,), None)
+    assert program.run((x, None), None, ()) is None
+    assert program.run((torch.randn(4, 9), None), None, ()) is None
+    assert program.run((x, x), None, ()) is None  # `None` was recorded there
+    assert program.run((None, None), None, ()) is None
+    with pytest.raises(TypeError, match="expected 2 inputs and 0 values, got 1 and 0"):
+        program.run((x,), None, ())
+    with pytest.raises(TypeError, match="expected 2 inputs and 0 values, got 2 and 1"):
+        program.run((x, None), None, (5,))
     with pytest.raises(TypeError):
-        program.run([x, None], None)
+        program.run([x, None], None, ())
     # Descriptions are checked when the program is made
     bad_patch = list(description)
     launch = list(description[8][0])
@@ -113,7 +116,7 @@ def test_the_compiled_program_checks_its_description_and_its_inputs():
     with pytest.raises(ValueError, match="too short"):
         module.Program(description[:5])
     # With nothing to check the program reaches the driver, which this machine may not have
-    empty = (0, description[1], False, False, True, (), (), (), ())
+    empty = (0, description[1], False, False, True, (), (), (), (), True, True, 0)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="libcuda"):
-            module.Program(empty).run((), None)
+            module.Program(empty).run((), None, ())

@@ -11,6 +11,7 @@ whose shape is known allocated, before the first launch (see `deep_ep.backends.k
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,7 @@ def _dispatch_outputs(
 ) -> dict:  # fmt: skip
     """The output tensors of one dispatch with `num_out_rows` rows (exact or worst case)."""
     empty, device = runtime.empty, x.device
-    out: dict[str, Any] = {"recv_x": empty((num_out_rows, x.shape[1]), dtype=x.dtype, device=device)}
+    out: dict[str, Any] = {"recv_x": empty((num_out_rows, x.shape[1]), dtype=x.dtype, device=device, rows="out")}
     out["recv_scales"], out["scale_col_stride"] = None, 0
     if x_scales is not None:
         num_scales = x_scales.shape[1]
@@ -65,12 +66,14 @@ def _dispatch_outputs(
             storage = empty((num_scales * out["scale_col_stride"],), dtype=x_scales.dtype, device=device)
             out["recv_scales"] = storage.as_strided((num_out_rows, num_scales), (1, out["scale_col_stride"]))
         else:
-            out["recv_scales"] = empty((num_out_rows, num_scales), dtype=x_scales.dtype, device=device)
-    out["recv_topk_idx"] = None if do_expand else empty((num_out_rows, num_topk), dtype=torch.int64, device=device)
+            out["recv_scales"] = empty((num_out_rows, num_scales), dtype=x_scales.dtype, device=device, rows="out")
+    out["recv_topk_idx"] = (
+        None if do_expand else empty((num_out_rows, num_topk), dtype=torch.int64, device=device, rows="out")
+    )
     out["recv_topk_weights"] = None
     if has_weights:
         shape = (num_out_rows,) if do_expand else (num_out_rows, num_topk)
-        out["recv_topk_weights"] = empty(shape, dtype=torch.float32, device=device)
+        out["recv_topk_weights"] = empty(shape, dtype=torch.float32, device=device, rows="out")
     out["psum_num_recv_tokens_per_rank"] = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
     out["psum_num_recv_tokens_per_expert"] = empty((num_local_experts,), dtype=torch.int32, device=device)
     return out
@@ -255,6 +258,10 @@ def run_dispatch(
                       U64(data_ptr(runtime.error_block)), U64(runtime.timeout_ns)))  # fmt: skip
         if state is None:
             num_words = runtime.num_ranks + num_local_experts + 1
+            if runtime.recorder is not None:  # what a replay does with rejected routing
+                runtime.recorder.drain = functools.partial(_drain_dispatch, runtime, epilogue_kernel, stream,
+                                                           num_max_tokens_per_rank, num_local_experts, arrival_slots,
+                                                           op_hash)  # fmt: skip
             runtime.wait_counts(stream, counts_sequence)
             counts = runtime.host_counts[:num_words].tolist()
             if counts[-1]:
@@ -272,7 +279,8 @@ def run_dispatch(
                 state = NvlinkDispatchState(slot_idx, num_tokens_per_rank, num_out_rows, num_recv_tokens,
                                             num_expanded_rows, node_slot_idx, num_tokens_per_node, forward_map,
                                             forward_counts)  # fmt: skip
-                recv_src_metadata = empty((num_recv_tokens, 2 + num_topk), dtype=torch.int32, device=device)
+                recv_src_metadata = empty((num_recv_tokens, 2 + num_topk), dtype=torch.int32, device=device,
+                                          rows="meta")  # fmt: skip
                 outputs = _dispatch_outputs(runtime, num_out_rows, x, x_scales, num_topk, topk_weights is not None,
                                             do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
         if not rejected:

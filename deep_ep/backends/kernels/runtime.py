@@ -316,12 +316,13 @@ class NvlinkRuntime:
 
     # ---------------------------------------------------------------- faults
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: Any, rows: str | None = None) -> torch.Tensor:
         """An output or handle tensor of the running call (the share's allocation, recorded when a
-        recorder is set)."""
+        recorder is set; `rows` names what its first dimension counts when that is learnt during
+        the call, see `steady.Recorder`)."""
         tensor = self.share.empty(shape, dtype=dtype, device=device)
         if self.recorder is not None:
-            self.recorder.allocated(tensor)
+            self.recorder.allocated(tensor, rows)
         return tensor
 
     def launch(self, kernel: Any, **launch: Any) -> None:
@@ -447,6 +448,8 @@ class NvlinkRuntime:
         that stopped before its counts (a device fault) leaves the word unset: then the stream is
         drained and the fault raised (`wait`).
         """
+        if self.recorder is not None:
+            self.recorder.waiting_for_counts()
         ready = self._counts_ready_word
         if ready.value == sequence:
             return

@@ -26,6 +26,7 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -83,6 +84,8 @@ struct InputSpec {
     std::vector<int64_t> sizes, strides;
 };
 
+// Sizes and grid dimensions are constants (>= 0) or the call's values: `-1 - k` is `values[k]`
+// (the row counts of a CPU-sync dispatch's outputs, known once the host read the counts)
 struct AllocSpec {
     at::ScalarType dtype;
     std::vector<int64_t> sizes, strides;
@@ -99,12 +102,18 @@ struct Patch {
     int param, offset, source;  // source >= 0: input `source`; < 0: allocation `-1 - source`
 };
 
+struct ValuePatch {
+    int param, offset, width, value;  // `values[value]` as a little-endian integer of `width` bytes
+};
+
 struct Launch {
     CUfunction function;
-    unsigned grid[3], block[3];
+    int64_t grid[3];
+    unsigned block[3];
     bool cooperative, pdl;
     std::vector<std::vector<char>> params;
     std::vector<Patch> patches;
+    std::vector<ValuePatch> value_patches;
 };
 
 struct Program {
@@ -115,6 +124,10 @@ struct Program {
     std::vector<AllocSpec> allocs;
     std::vector<OutputSpec> outputs;
     std::vector<Launch> launches;
+    // A call in two parts (a CPU-sync dispatch: the host reads counts between them): the first part
+    // begins (waits for the compute stream), the second ends (its event, the compute stream's wait)
+    bool begins = true, ends = true;
+    size_t num_values = 0;
     std::optional<c10::Event> compute_ready;  // the compute stream's point the comm stream waits for
     uint64_t num_runs = 0;
     std::array<uint64_t, kNumPhases> phase_ns{};
@@ -228,8 +241,7 @@ Program* parse_program(PyObject* d) {
         }
         auto grid = as_dims(item(spec, 1, "launch"), "grid"), block = as_dims(item(spec, 2, "launch"), "block");
         if (grid.size() != 3 || block.size() != 3) throw ParseError{"grid and block must have 3 dims"};
-        for (int k = 0; k < 3; ++k)
-            launch.grid[k] = static_cast<unsigned>(grid[k]), launch.block[k] = static_cast<unsigned>(block[k]);
+        for (int k = 0; k < 3; ++k) launch.grid[k] = grid[k], launch.block[k] = static_cast<unsigned>(block[k]);
         launch.cooperative = PyObject_IsTrue(item(spec, 3, "launch"));
         launch.pdl = PyObject_IsTrue(item(spec, 4, "launch"));
         PyObject* params = item(spec, 5, "launch");
@@ -249,9 +261,46 @@ Program* parse_program(PyObject* d) {
             if (!in_range) throw ParseError{"patch out of range"};
             launch.patches.push_back(parsed);
         }
+        PyObject* value_patches = item(spec, 7, "launch");
+        for (Py_ssize_t p = 0; p < PyTuple_Size(value_patches); ++p) {
+            PyObject* patch = item(value_patches, p, "value patches");
+            ValuePatch parsed{static_cast<int>(as_long(item(patch, 0, "value patch"), "value patch param")),
+                              static_cast<int>(as_long(item(patch, 1, "value patch"), "value patch offset")),
+                              static_cast<int>(as_long(item(patch, 2, "value patch"), "value patch width")),
+                              static_cast<int>(as_long(item(patch, 3, "value patch"), "value patch value"))};
+            bool in_range = parsed.param >= 0 && parsed.param < static_cast<int>(launch.params.size()) &&
+                            (parsed.width == 4 || parsed.width == 8) && parsed.offset >= 0 &&
+                            parsed.offset + parsed.width <= static_cast<int>(launch.params[parsed.param].size()) &&
+                            parsed.value >= 0;
+            if (!in_range) throw ParseError{"value patch out of range"};
+            launch.value_patches.push_back(parsed);
+        }
         program->launches.push_back(std::move(launch));
     }
+    program->begins = PyObject_IsTrue(item(d, 9, "description"));
+    program->ends = PyObject_IsTrue(item(d, 10, "description"));
+    program->num_values = static_cast<size_t>(as_long(item(d, 11, "description"), "num_values"));
+    auto check_values = [&](const std::vector<int64_t>& dims) {
+        for (int64_t dim : dims)
+            if (dim < 0 && static_cast<size_t>(-1 - dim) >= program->num_values)
+                throw ParseError{"a size names a value past num_values"};
+    };
+    for (const AllocSpec& spec : program->allocs) check_values(spec.sizes);
+    for (const OutputSpec& spec : program->outputs) check_values(spec.sizes);
+    for (const Launch& launch : program->launches) {
+        check_values(std::vector<int64_t>(launch.grid, launch.grid + 3));
+        for (const ValuePatch& patch : launch.value_patches)
+            if (static_cast<size_t>(patch.value) >= program->num_values)
+                throw ParseError{"a value patch names a value past num_values"};
+    }
     return program.release();
+}
+
+std::vector<int64_t> resolve(const std::vector<int64_t>& dims, const std::vector<int64_t>& values) {
+    std::vector<int64_t> out(dims);
+    for (int64_t& dim : out)
+        if (dim < 0) dim = values[-1 - dim];
+    return out;
 }
 
 // ---------------------------------------------------------------------------------- Program.run
@@ -280,7 +329,7 @@ struct PhaseClock {
 
 // What `run` does without the GIL: returns the output tensors and the end event.
 std::vector<at::Tensor> run_native(Program& program, const std::vector<const at::Tensor*>& inputs, void* previous_event,
-                                   c10::Event& end_event, PhaseClock& clock) {
+                                   const std::vector<int64_t>& values, c10::Event* end_event, PhaseClock& clock) {
     const Driver& d = driver();
     const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::Device device(c10::DeviceType::CUDA, program.device_index);
@@ -289,10 +338,10 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     auto comm_handle = static_cast<CUstream>(comm.native_handle());
 
     // The communication starts after the compute stream's work (or the given event), as V2's does
-    if (previous_event != nullptr) {
+    if (program.begins && previous_event != nullptr) {
         CUresult result = d.wait_event(comm_handle, static_cast<CUevent>(previous_event), 0);
         if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamWaitEvent")};
-    } else {
+    } else if (program.begins) {
         if (!program.compute_ready) program.compute_ready.emplace(c10::DeviceType::CUDA);
         program.compute_ready->record(compute);
         program.compute_ready->block(comm);
@@ -306,8 +355,8 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     try {
         allocs.reserve(program.allocs.size());
         for (const AllocSpec& spec : program.allocs)
-            allocs.push_back(
-                at::empty_strided(spec.sizes, spec.strides, at::TensorOptions().dtype(spec.dtype).device(device)));
+            allocs.push_back(at::empty_strided(resolve(spec.sizes, values), spec.strides,
+                                               at::TensorOptions().dtype(spec.dtype).device(device)));
     } catch (...) {
         impl->exchangeStream(previous);
         throw;
@@ -331,6 +380,10 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
             uint64_t address = source == nullptr ? 0 : reinterpret_cast<uint64_t>(source->data_ptr());
             std::memcpy(launch.params[patch.param].data() + patch.offset, &address, sizeof(address));
         }
+        for (const ValuePatch& patch : launch.value_patches) {
+            int64_t value = values[patch.value];  // little-endian: the low `width` bytes
+            std::memcpy(launch.params[patch.param].data() + patch.offset, &value, patch.width);
+        }
         void* params[16];
         if (launch.params.size() > 16) throw RunFailure{"a kernel with more than 16 parameters"};
         for (size_t p = 0; p < launch.params.size(); ++p) params[p] = launch.params[p].data();
@@ -345,7 +398,9 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
             attributes[num_attributes++].value.programmaticStreamSerializationAllowed = 1;
         }
         CUlaunchConfig config{};
-        config.gridDimX = launch.grid[0], config.gridDimY = launch.grid[1], config.gridDimZ = launch.grid[2];
+        auto grid = resolve(std::vector<int64_t>(launch.grid, launch.grid + 3), values);
+        config.gridDimX = static_cast<unsigned>(grid[0]), config.gridDimY = static_cast<unsigned>(grid[1]);
+        config.gridDimZ = static_cast<unsigned>(grid[2]);
         config.blockDimX = launch.block[0], config.blockDimY = launch.block[1], config.blockDimZ = launch.block[2];
         config.hStream = comm_handle;
         config.attrs = attributes;
@@ -356,20 +411,20 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
 
     clock.mark(3);
 
-    // V2's epilogue of the stream choreography (deep_ep.event.CommStreamScope.finish)
-    end_event.record(comm);
-    if (program.async_with_compute_stream) {
-        for (const at::Tensor& t : allocs) {
-            impl->recordDataPtrOnStream(t.storage().data_ptr(), compute);
-            impl->recordDataPtrOnStream(t.storage().data_ptr(), comm);
-        }
-        if (program.record_inputs)
+    // V2's epilogue of the stream choreography (deep_ep.event.CommStreamScope.finish). Allocations
+    // are recorded on the streams that free them safely in each part; the end event, the compute
+    // stream's wait and the inputs' records come with the last part
+    bool async = program.async_with_compute_stream;
+    if (async || !program.allocate_on_comm_stream)
+        for (const at::Tensor& t : allocs) impl->recordDataPtrOnStream(t.storage().data_ptr(), compute);
+    if (async)
+        for (const at::Tensor& t : allocs) impl->recordDataPtrOnStream(t.storage().data_ptr(), comm);
+    if (end_event != nullptr) {
+        end_event->record(comm);
+        if (async && program.record_inputs)
             for (const at::Tensor* t : inputs)
                 if (t != nullptr) impl->recordDataPtrOnStream(t->storage().data_ptr(), comm);
-    } else {
-        end_event.block(compute);
-        if (!program.allocate_on_comm_stream)
-            for (const at::Tensor& t : allocs) impl->recordDataPtrOnStream(t.storage().data_ptr(), compute);
+        if (!async) end_event->block(compute);
     }
     (void)compute_handle;
     clock.mark(4);
@@ -377,25 +432,36 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     std::vector<at::Tensor> outputs;
     outputs.reserve(program.outputs.size());
     for (const OutputSpec& spec : program.outputs)
-        outputs.push_back(allocs[spec.alloc].as_strided(spec.sizes, spec.strides, spec.storage_offset));
+        outputs.push_back(
+            allocs[spec.alloc].as_strided(resolve(spec.sizes, values), spec.strides, spec.storage_offset));
     return outputs;
 }
 
-// run(inputs: tuple of tensors or None, previous_event: int (a CUevent) or None)
-//   -> (outputs..., Event), or None when an input differs from the recording or the compute stream
-//   is being captured (the caller takes the Python path)
+// run(inputs: tuple of tensors or None, previous_event: int (a CUevent) or None, values: tuple of ints)
+//   -> (outputs..., Event or None), or None when an input differs from the recording or the compute
+//   stream is being captured (the caller takes the Python path)
 PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
     Program& program = *reinterpret_cast<ProgramObject*>(self)->program;
     PhaseClock clock{program.phase_ns};
-    if (num_args != 2 || !PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "Program.run(inputs: tuple, previous_event: int | None)");
+    if (num_args != 3 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "Program.run(inputs: tuple, previous_event: int | None, values: tuple)");
         return nullptr;
     }
     PyObject* given = args[0];
-    if (PyTuple_GET_SIZE(given) != static_cast<Py_ssize_t>(program.inputs.size())) {
-        PyErr_Format(PyExc_TypeError, "Program.run: expected %zu inputs, got %zd", program.inputs.size(),
-                     PyTuple_GET_SIZE(given));
+    if (PyTuple_GET_SIZE(given) != static_cast<Py_ssize_t>(program.inputs.size()) ||
+        PyTuple_GET_SIZE(args[2]) != static_cast<Py_ssize_t>(program.num_values)) {
+        PyErr_Format(PyExc_TypeError, "Program.run: expected %zu inputs and %zu values, got %zd and %zd",
+                     program.inputs.size(), program.num_values, PyTuple_GET_SIZE(given), PyTuple_GET_SIZE(args[2]));
         return nullptr;
+    }
+    std::vector<int64_t> values(program.num_values);
+    for (size_t i = 0; i < program.num_values; ++i) {
+        values[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(args[2], i));
+        if (values[i] == -1 && PyErr_Occurred()) return nullptr;
+        if (values[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "Program.run: values must be >= 0");
+            return nullptr;
+        }
     }
     std::vector<const at::Tensor*> inputs(program.inputs.size(), nullptr);
     for (size_t i = 0; i < program.inputs.size(); ++i) {
@@ -425,7 +491,8 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
     std::vector<at::Tensor> outputs;
     std::string failure;
     bool captured = false;
-    auto* end_event = new c10::Event(c10::DeviceType::CUDA);
+    std::unique_ptr<c10::Event> end_event;
+    if (program.ends) end_event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
     PyThreadState* saved = PyEval_SaveThread();  // the launches may block: other virtual ranks go on
     try {
         // A capture takes the Python path, whose every step is capture-safe (the events above are
@@ -439,42 +506,42 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
         if (status != CU_STREAM_CAPTURE_STATUS_NONE)
             captured = true;
         else
-            outputs = run_native(program, inputs, previous_event, *end_event, clock);
+            outputs = run_native(program, inputs, previous_event, values, end_event.get(), clock);
     } catch (const RunFailure& error) {
         failure = error.message;
     } catch (const std::exception& error) {
         failure = error.what();
     }
     PyEval_RestoreThread(saved);
-    if (!failure.empty() || captured) {
-        delete end_event;
-        if (captured) Py_RETURN_NONE;
+    if (captured) Py_RETURN_NONE;
+    if (!failure.empty()) {
         PyErr_SetString(PyExc_RuntimeError, ("deep_ep steady path: " + failure).c_str());
         return nullptr;
     }
     ++program.num_runs;
     PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(outputs.size()) + 1);
-    if (result == nullptr) {
-        delete end_event;
-        return nullptr;
-    }
+    if (result == nullptr) return nullptr;
     for (size_t i = 0; i < outputs.size(); ++i) {
         PyObject* wrapped = THPVariable_Wrap(std::move(outputs[i]));
         if (wrapped == nullptr) {
             Py_DECREF(result);
-            delete end_event;
             return nullptr;
         }
         PyTuple_SET_ITEM(result, i, wrapped);
     }
-    auto* event = PyObject_New(EventObject, &EventType);
-    if (event == nullptr) {
-        Py_DECREF(result);
-        delete end_event;
-        return nullptr;
+    PyObject* event = Py_None;
+    if (end_event) {
+        auto* wrapped = PyObject_New(EventObject, &EventType);
+        if (wrapped == nullptr) {
+            Py_DECREF(result);
+            return nullptr;
+        }
+        wrapped->event = end_event.release();
+        event = reinterpret_cast<PyObject*>(wrapped);
+    } else {
+        Py_INCREF(Py_None);
     }
-    event->event = end_event;
-    PyTuple_SET_ITEM(result, outputs.size(), reinterpret_cast<PyObject*>(event));
+    PyTuple_SET_ITEM(result, outputs.size(), event);
     clock.mark(5);
     return result;
 }

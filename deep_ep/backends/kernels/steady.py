@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -83,16 +84,35 @@ def steady_enabled() -> bool:
 
 
 class Recorder:
-    """What one call of the Python path allocated and launched (set as `NvlinkRuntime.recorder`)."""
+    """What one call of the Python path allocated and launched (set as `NvlinkRuntime.recorder`).
+
+    Attributes:
+        allocs: the call's allocations, in order; `rows`: per allocation, what its first dimension
+            counts when the host learns it during the call (`'out'`: the output rows, `'meta'`: the
+            received tokens), else `None`.
+        launches: per launch its function, grid, block, attributes, parameter bytes and stream.
+        pointers: the tensors whose addresses went into parameters.
+        split: `(allocations, launches)` before the host's wait for a CPU-sync dispatch's counts.
+        drain: with CPU sync, what the call does when its routing was rejected on the device.
+    """
 
     def __init__(self) -> None:
         self.allocs: list[torch.Tensor] = []
+        self.rows: list[str | None] = []
         self.launches: list[tuple] = []
         self.pointers: list[torch.Tensor] = []
         self.problem: str | None = None
+        self.split: tuple[int, int] | None = None
+        self.drain: Callable[[], None] | None = None
 
-    def allocated(self, tensor: torch.Tensor) -> None:
+    def allocated(self, tensor: torch.Tensor, rows: str | None = None) -> None:
         self.allocs.append(tensor)
+        self.rows.append(rows)
+
+    def waiting_for_counts(self) -> None:
+        if self.split is not None:
+            self.problem = "two waits for counts in one call"
+        self.split = (len(self.allocs), len(self.launches))
 
     def launched(self, kernel: Any, launch: dict[str, Any]) -> None:
         if launch.get("shared_mem", 0) or launch.get("cluster") is not None:
@@ -109,10 +129,36 @@ def _runtime_tensors(runtime: NvlinkRuntime) -> list[torch.Tensor]:
     return [value for value in vars(runtime).values() if isinstance(value, torch.Tensor)]
 
 
+@dataclass(frozen=True)
+class Part:
+    """The part of a recording a program repeats (all of it by default), and what in it follows the
+    values a call passes (`Program.run`'s `values`): a CPU-sync dispatch is two programs, before and
+    after the host reads the counts.
+
+    Attributes:
+        allocs, launches: the slices of the recording's allocations and launches.
+        begins, ends: whether the part starts the call (the stream wait) and ends it (the event).
+        values: the names of the call's values, in order.
+        rows: the recording's row names (`Recorder.rows`) that are values: a value's index per name.
+        fields: per launch (index in the recording), `(param, offset, width, value name)` of the
+            parameter fields that take a value.
+        grids: per launch (index in the recording), the value name of its grid's x dimension.
+    """
+
+    allocs: slice = field(default_factory=lambda: slice(None))
+    launches: slice = field(default_factory=lambda: slice(None))
+    begins: bool = True
+    ends: bool = True
+    values: tuple[str, ...] = ()
+    rows: tuple[str, ...] = ()
+    fields: dict[int, tuple[tuple[int, int, int, str], ...]] = field(default_factory=dict)
+    grids: dict[int, str] = field(default_factory=dict)
+
+
 def describe_program(
     runtime_tensors: Sequence[torch.Tensor], comm_stream: Any, recorder: Recorder,
     inputs: Sequence[torch.Tensor | None], results: Sequence[torch.Tensor | None], clones: dict[int, int],
-    async_with_compute_stream: bool, allocate_on_comm_stream: bool,
+    async_with_compute_stream: bool, allocate_on_comm_stream: bool, part: Part | None = None,
 ) -> tuple[tuple, tuple[int | None, ...], list[torch.Tensor]] | str:  # fmt: skip
     """The description of a `Program` (steady.cpp's `parse_program`) that repeats the recorded call
     for other tensors of the same shapes.
@@ -123,6 +169,7 @@ def describe_program(
         inputs: the call's tensors (or `None`) in the order `Program.run` will get them.
         results: the tensors the call returns (or `None`), each an input, a view of an allocation,
             or (`clones`: result index -> input index) a copy of an input.
+        part: which part of the recording, and what in it follows the call's values.
 
     Returns:
         `(description, sources, keep)`: per result, `k >= 0` for the program's output `k`, `-1 - i`
@@ -131,13 +178,18 @@ def describe_program(
     """
     if recorder.problem is not None:
         return recorder.problem
+    part = part or Part()
+    value_of = {name: index for index, name in enumerate(part.values)}
+    recorded_allocs = recorder.allocs[part.allocs]
+    alloc_rows = recorder.rows[part.allocs]
+    first_launch = range(len(recorder.launches))[part.launches].start if recorder.launches else 0
     sources: dict[int, int] = {}  # address -> input i (>= 0) or allocation j (-1 - j)
     for index, tensor in enumerate(inputs):
         if tensor is not None:
             sources.setdefault(tensor.data_ptr(), index)
             if tensor.data_ptr() == 0 or sources[tensor.data_ptr()] != index:
                 return "an empty input, or two inputs at one address"
-    for index, tensor in enumerate(recorder.allocs):
+    for index, tensor in enumerate(recorded_allocs):
         if tensor.data_ptr() == 0 or tensor.data_ptr() in sources:
             return "an empty allocation"
         sources[tensor.data_ptr()] = -1 - index
@@ -149,7 +201,7 @@ def describe_program(
             return "a kernel argument points at a tensor made inside the call"
         keep.append(tensor)
     launches = []
-    for handle, grid, block, cooperative, pdl, params, stream in recorder.launches:
+    for number, (handle, grid, block, cooperative, pdl, params, stream) in enumerate(recorder.launches[part.launches]):
         if stream is None or stream.cuda_stream != comm_stream.cuda_stream:
             return "a launch off the communication stream"
         patches = []
@@ -158,10 +210,20 @@ def describe_program(
                 source = sources.get(int.from_bytes(raw[offset : offset + 8], "little"))
                 if source is not None:
                     patches.append((param_idx, offset, source))
-        launches.append((handle, grid, block, cooperative, pdl, params, tuple(patches)))
-    allocs = [(t.dtype, tuple(t.shape), tuple(t.stride()), -1) for t in recorder.allocs]
+        fields = tuple((p, offset, width, value_of[name]) for p, offset, width, name in
+                       part.fields.get(first_launch + number, ()))  # fmt: skip
+        grid_value = part.grids.get(first_launch + number)
+        if grid_value is not None:
+            grid = (-1 - value_of[grid_value], *grid[1:])
+        launches.append((handle, grid, block, cooperative, pdl, params, tuple(patches), fields))
+    allocs = []
+    for tensor, rows in zip(recorded_allocs, alloc_rows, strict=True):
+        shape = tuple(tensor.shape)
+        if rows in part.rows:  # its first dimension is the call's value (its strides do not depend on it)
+            shape = (-1 - value_of[rows], *shape[1:])
+        allocs.append((tensor.dtype, shape, tuple(tensor.stride()), -1))
     outputs, result_sources = [], []
-    storages = {t.untyped_storage().data_ptr(): j for j, t in enumerate(recorder.allocs)}
+    storages = {t.untyped_storage().data_ptr(): j for j, t in enumerate(recorded_allocs)}
     for index, tensor in enumerate(results):
         if tensor is None:
             result_sources.append(None)
@@ -180,13 +242,19 @@ def describe_program(
             alloc = storages.get(tensor.untyped_storage().data_ptr())
             if alloc is None:
                 return "a result that is neither an input nor an allocation of the call"
-        outputs.append((alloc, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
+        shape = tuple(tensor.shape)
+        if any(dim < 0 for dim in allocs[alloc][1]):  # rows that are the call's value: only returned whole
+            whole = recorded_allocs[alloc]
+            if shape != tuple(whole.shape) or tensor.stride() != whole.stride() or tensor.storage_offset() != 0:
+                return "a view of an allocation whose size is the call's"
+            shape = allocs[alloc][1]
+        outputs.append((alloc, shape, tuple(tensor.stride()), tensor.storage_offset()))
         result_sources.append(len(outputs) - 1)
     input_specs = tuple(None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride())) for t in inputs)
     description = (
         comm_stream.device_index, (comm_stream.stream_id, comm_stream.device_index, comm_stream.device_type),
         async_with_compute_stream, allocate_on_comm_stream, not avoid_record_stream(), input_specs, tuple(allocs),
-        tuple(outputs), tuple(launches),
+        tuple(outputs), tuple(launches), part.begins, part.ends, len(part.values),
     )  # fmt: skip
     return description, tuple(result_sources), keep
 
@@ -353,7 +421,7 @@ class SteadyPath:
     def _run(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> list | None:
         runtime = self.runtime
         runtime.check_error()
-        outputs = entry.program.run(inputs, previous_event_handle(previous_event))
+        outputs = entry.program.run(inputs, previous_event_handle(previous_event), ())
         if outputs is None:
             return None
         self.num_calls += 1
