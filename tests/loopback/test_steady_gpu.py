@@ -2,7 +2,7 @@
 seen before are replayed by the C++ program, with new data and new handles each time, and every
 output is bitwise what `deep_ep.reference` gives (`sweep.run_case`). Also: an input whose layout
 differs from the recording takes the Python path, and the steady path steps aside where it must
-(CPU sync, `previous_event_before_epilogue`, guard bytes). Run on the GPU machine: `python -m pytest
+(column-major scales with CPU sync, `previous_event_before_epilogue`, guard bytes). Run on the GPU machine: `python -m pytest
 -m gpu tests/loopback/test_steady_gpu.py`; the sweep (`test_loopback_gpu.py`) replays half its cases.
 """
 
@@ -46,6 +46,12 @@ CASES = {
                                          num_sms=8, combine_num_sms=6, max_tokens=512)),
     "ep8-bf16-on-comm-expand": (8, dict(hidden=4096, num_topk=9, dtype="bf16", num_local_experts=2,
                                         num_tokens=64, expand=True, stream="on_comm", num_bias=1, max_tokens=256)),
+    # CPU sync: the host reads the counts between the two parts of the replay
+    "ep4-fp8-cpu-sync-expand": (4, dict(hidden=7168, num_topk=8, dtype="fp32", num_local_experts=8,
+                                        num_tokens=150, cpu_sync=True, expand=True, alignment=128,
+                                        zero_padding=True, max_tokens=512)),
+    "ep2-bf16-cpu-sync-async": (2, dict(hidden=2056, num_topk=1, dtype="bf16", num_local_experts=16,
+                                        num_tokens=333, cpu_sync=True, stream="async", max_tokens=512)),
 }  # fmt: skip
 
 
@@ -110,10 +116,10 @@ def _fallback_rank(rank: int, group: dist.ProcessGroup, seed: int) -> dict:
         rows = int(expected[3].psum_num_recv_tokens_per_scaleup_rank[-1])
         outcome["equal"] = all(torch.equal(a[:rows], b[:rows]) for a, b in zip(out[0], expected[0], strict=True))
         outcome["steady_after_col_major"] = buf._steady.num_calls - calls
-        # CPU sync and an event before the epilogue stay on the Python path
+        # Column-major scales with CPU sync and an event before the epilogue stay on the Python path
         calls = buf._steady.num_calls
         for _ in range(2):
-            buf.dispatch((data, scales), topk_idx=topk_idx, num_experts=num_experts)
+            buf.dispatch((data, scales), topk_idx=topk_idx, num_experts=num_experts, use_tma_aligned_col_major_sf=True)
             buf.dispatch((data, scales), previous_event_before_epilogue=deep_ep.ElasticBuffer.capture(), **routed)
         outcome["steady_after_python_only"] = buf._steady.num_calls - calls
         # And the recorded shape still replays

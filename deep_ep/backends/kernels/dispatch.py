@@ -297,10 +297,7 @@ def run_dispatch(
         runtime.fail_between_launches("dispatch", error)
         raise
     if rejected:
-        # The device's record of the first bad value, else the host finds it
-        runtime.take_input_error()
-        check_topk_idx_values("dispatch", topk_idx, num_experts)
-        raise ValueError(f"dispatch: `topk_idx` must hold distinct expert ids in [-1, {num_experts}) per row")
+        raise_rejected_routing(runtime, topk_idx, num_experts)
     runtime.take_input_error()
     return {
         **{name: outputs[name] for name in ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")},
@@ -315,6 +312,14 @@ def run_dispatch(
         "num_masked_lanes": num_masked_lanes,
         "state": state,
     }
+
+
+def raise_rejected_routing(runtime: NvlinkRuntime, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Raise the `ValueError` of a CPU-sync dispatch whose routing the device rejected (it sent nothing):
+    the device's record of the first bad value, else the one the host finds."""
+    runtime.take_input_error()
+    check_topk_idx_values("dispatch", topk_idx, num_experts)
+    raise ValueError(f"dispatch: `topk_idx` must hold distinct expert ids in [-1, {num_experts}) per row")
 
 
 def _launch_dispatch_epilogue(

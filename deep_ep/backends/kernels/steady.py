@@ -47,6 +47,7 @@ from deep_ep.event import EventHandle, EventOverlap, avoid_record_stream
 from deep_ep.handle import EPHandle
 from deep_ep.jit import JITCompileError, param_bytes
 
+from . import specs
 from .runtime import NvlinkRuntime, track_pointers
 
 SOURCE = Path(__file__).with_name("steady.cpp")
@@ -193,9 +194,11 @@ def describe_program(
         if tensor.data_ptr() == 0 or tensor.data_ptr() in sources:
             return "an empty allocation"
         sources[tensor.data_ptr()] = -1 - index
+    # Every allocation of the recording (a part's launches point only at its own and its inputs)
+    made = {t.data_ptr() for t in recorder.allocs}
     keep = []
     for tensor in recorder.pointers:
-        if tensor.data_ptr() in sources:
+        if tensor.data_ptr() in sources or tensor.data_ptr() in made:
             continue
         if not any(tensor is t for t in runtime_tensors):
             return "a kernel argument points at a tensor made inside the call"
@@ -261,14 +264,19 @@ def describe_program(
 
 class Entry:
     """A recorded shape: its program, where each result comes from, and the templates of the
-    objects a call returns."""
+    objects a call returns. A CPU-sync dispatch has two programs: `first` (up to the host's wait
+    for the counts) and `program` (the rest), and what its replay does with rejected routing
+    (`drain`) on how many SMs its communication kernel runs (`busy_sms`)."""
 
-    __slots__ = ("handle", "keep", "program", "result_sources", "state")
+    __slots__ = ("busy_sms", "drain", "first", "handle", "keep", "program", "result_sources", "state")
 
     def __init__(self, program: Any, result_sources: tuple[int | None, ...], keep: list[torch.Tensor],
                  handle: EPHandle | None = None, state: Any = None) -> None:  # fmt: skip
         self.program, self.result_sources, self.keep = program, result_sources, keep
         self.handle, self.state = handle, state
+        self.first: Any = None
+        self.drain: Callable[[], None] | None = None
+        self.busy_sms = 0
 
 
 def _copy_with(template: Any, names: tuple[str, ...], values: Sequence[Any]) -> Any:
@@ -322,7 +330,9 @@ class SteadyPath:
                                                           type(previous_event) is not EventHandle):  # fmt: skip
             return None
         if handle is None:
-            if do_cpu_sync is not False:  # `None` means True without a handle
+            # With CPU sync (`None` means True without a handle) the scales' column stride would follow
+            # the counts: column-major scales stay on the Python path there
+            if do_cpu_sync is not False and use_tma_aligned_col_major_sf is not False:
                 return None
             shape = None
         else:
@@ -393,6 +403,7 @@ class SteadyPath:
     def record_dispatch(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, handle: EPHandle,
                         fresh: bool, do_handle_copy: bool, request: Any) -> None:  # fmt: skip
         """Make the program of a dispatch the Python path just ran (`inputs`: `dispatch_inputs`)."""
+        synced = fresh and request.do_cpu_sync
         results = [getattr(result, name) for name in RESULT_FIELDS]
         clones: dict[int, int] = {}
         if fresh:
@@ -400,14 +411,50 @@ class SteadyPath:
             results += [getattr(handle.backend_state, name) for name in STATE_FIELDS]
             if do_handle_copy:
                 clones[len(RESULT_FIELDS)] = 2  # the handle's copy of topk_idx
-        built = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs, results, clones,
-                                 request.async_with_compute_stream, request.allocate_on_comm_stream)  # fmt: skip
+        flags = (request.async_with_compute_stream, request.allocate_on_comm_stream)
+        own = _runtime_tensors(self.runtime)
+        first = None
+        if synced:
+            first, inputs, part = self._synced_parts(recorder, inputs, flags)
+            built = part if isinstance(part, str) else describe_program(own, self.comm_stream, recorder, inputs, results,
+                                                                        clones, *flags, part)  # fmt: skip
+        else:
+            built = describe_program(own, self.comm_stream, recorder, inputs, results, clones, *flags)
         templates: tuple[Any, Any] = (None, None)
         if fresh:  # without tensors: a template must not keep the recorded call's outputs alive
             state = _copy_with(handle.backend_state, STATE_FIELDS, [None] * len(STATE_FIELDS))
             templates = (_copy_with(handle, HANDLE_FIELDS, [None] * len(HANDLE_FIELDS)), state)
             templates[0].backend_state = None
         self._remember(key, built, *templates)
+        entry = self.entries.get(key)
+        if synced and entry is not None and entry.first is None:
+            entry.first, entry.drain = self.module.Program(first[0]), recorder.drain
+            entry.busy_sms = recorder.launches[0][1][0] - self.runtime.nic_ctas
+
+    def _synced_parts(self, recorder: Recorder, inputs: tuple, flags: tuple[bool, bool]) -> tuple[Any, tuple, Any]:
+        """A CPU-sync dispatch's first program (up to the wait for the counts), the second's inputs
+        (the call's and the first's allocations) and its `Part`; or a reason instead of the `Part`."""
+        if recorder.split is None or recorder.drain is None:
+            return None, inputs, "no wait for counts in the call"
+        num_allocs, num_launches = recorder.split
+        if len(recorder.launches) != num_launches + 1:
+            return None, inputs, "not one launch after the wait for counts"
+        sequence_field = (0, specs.DispatchArgs.counts_sequence.offset, specs.DispatchArgs.counts_sequence.size,
+                          "sequence")  # fmt: skip
+        part = Part(allocs=slice(0, num_allocs), launches=slice(0, num_launches), ends=False, values=("sequence",),
+                    fields={0: (sequence_field,)})  # fmt: skip
+        carried = recorder.allocs[:num_allocs]
+        first = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs, carried, {},
+                                 *flags, part)  # fmt: skip
+        if isinstance(first, str):
+            return None, inputs, first
+        rows = [(name, getattr(specs.DispatchEpilogueArgs, field)) for name, field in
+                (("out", "num_out_rows"), ("meta", "num_meta_rows"))]  # fmt: skip
+        second = Part(allocs=slice(num_allocs, None), launches=slice(num_launches, None), begins=False,
+                      values=("out", "meta", "grid"), rows=("out", "meta"),
+                      fields={num_launches: tuple((0, f.offset, f.size, name) for name, f in rows)},
+                      grids={num_launches: "grid"})  # fmt: skip
+        return first, (*inputs, *carried), second
 
     def record_combine(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, request: Any) -> None:
         """Make the program of a combine the Python path just ran (`inputs`: `combine_inputs`)."""
@@ -437,6 +484,8 @@ class SteadyPath:
                  handle: EPHandle | None) -> tuple | None:  # fmt: skip
         """Replay a dispatch: V2's results `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`,
         or `None` when an input differs from the recording."""
+        if entry.first is not None:
+            return self._dispatch_synced(entry, inputs, previous_event)
         values = self._run(entry, inputs, previous_event)
         if values is None:
             return None
@@ -455,6 +504,59 @@ class SteadyPath:
             handle,
             event,
         )
+
+    def _dispatch_synced(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> tuple | None:
+        """Replay a CPU-sync dispatch: the first program, the host's wait for the counts (as the Python
+        path waits), then the second with the output rows the counts give."""
+        runtime, template = self.runtime, entry.handle
+        runtime.check_error()
+        sequence = runtime.next_counts_sequence()
+        first = entry.first.run(inputs, previous_event_handle(previous_event), (sequence,))
+        if first is None:
+            return None
+        num_ranks = runtime.num_ranks
+        rejected = False
+        try:
+            runtime.wait_counts(self.comm_stream, sequence)
+            counts = runtime.host_counts[: num_ranks + template.num_experts // num_ranks + 1].tolist()
+            if counts[-1]:  # our routing was rejected on the device (nothing sent), but peers sent us theirs
+                entry.drain()
+                rejected = True
+            else:
+                num_recv_tokens = sum(counts[:num_ranks])
+                counts_list = counts[num_ranks:-1]
+                alignment = template.expert_alignment
+                if alignment > 1:
+                    counts_list = [-(-c // alignment) * alignment for c in counts_list]
+                num_expanded = sum(counts_list)
+                num_out_rows = num_expanded if template.do_expand else num_recv_tokens
+                grid = runtime.grid_for_rows(num_recv_tokens, entry.busy_sms) + runtime.nic_ctas
+                inputs = (*inputs, *first[:-1])
+                outputs = entry.program.run(inputs, None, (num_out_rows, num_recv_tokens, grid))
+                if outputs is None:
+                    raise RuntimeError("deep_ep steady path: the second part of a CPU-sync dispatch refused its inputs")
+        except BaseException as error:
+            runtime.fail_between_launches("dispatch", error)
+            raise
+        if rejected:
+            from .dispatch import raise_rejected_routing
+
+            raise_rejected_routing(runtime, inputs[2], template.num_experts)
+        self.num_calls += 1
+        runtime.num_experts_checked = template.num_experts
+        runtime.take_input_error()
+        values = [None if s is None else outputs[s] if s >= 0 else inputs[-1 - s] for s in entry.result_sources]
+        num_results, num_handle = len(RESULT_FIELDS), len(HANDLE_FIELDS)
+        state = _copy_with(entry.state, STATE_FIELDS, values[num_results + num_handle :])
+        state.num_out_rows, state.num_meta_rows, state.num_expanded_rows = num_out_rows, num_recv_tokens, num_expanded
+        handle = _copy_with(template, HANDLE_FIELDS, values[num_results : num_results + num_handle])
+        handle.backend_state = state
+        handle.num_recv_tokens, handle.num_expanded_tokens = num_recv_tokens, num_expanded
+        handle.num_recv_tokens_per_expert_list = counts_list
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights = values[:num_results]
+        event = EventOverlap(EventHandle.of(outputs[-1]))
+        recv = recv_x if recv_scales is None else (recv_x, recv_scales)
+        return recv, recv_topk_idx, recv_topk_weights, handle, event
 
     def combine(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> tuple | None:
         """Replay a combine: `(combined_x, combined_topk_weights, event)`, or `None` when an input
