@@ -120,3 +120,51 @@ def test_the_compiled_program_checks_its_description_and_its_inputs():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="libcuda"):
             module.Program(empty).run((), None, ())
+
+
+def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
+    from deep_ep.backends.kernels.steady import Part
+
+    stream, scratch = _stream(), torch.randn(16)
+    x, slots = torch.randn(4, 8), torch.empty(4, dtype=torch.int32)
+    recorder = Recorder()
+    recorder.allocated(slots)
+    args = _Args(x=x.data_ptr(), n=3, out=slots.data_ptr(), scratch=scratch.data_ptr())
+    launch = dict(grid=(9,), block=(128,), stream=stream, args=(Opaque(bytes(args)),))
+    recorder.launched(SimpleNamespace(handle=1), dict(launch, cooperative=True))
+    recorder.pointers += [x, slots, scratch]
+    recorder.waiting_for_counts()
+    rows, constant = torch.empty(37, 8), torch.empty(4)
+    recorder.allocated(rows, "out")
+    recorder.allocated(constant)
+    later = _Args(x=slots.data_ptr(), n=37, out=rows.data_ptr(), scratch=constant.data_ptr())
+    recorder.launched(SimpleNamespace(handle=2), dict(launch, grid=(5,), args=(Opaque(bytes(later)),), pdl=True))
+    recorder.pointers += [slots, rows, constant]
+    first = Part(allocs=slice(0, 1), launches=slice(0, 1), ends=False, values=("sequence",),
+                 fields={0: ((0, _Args.n.offset, 4, "sequence"),)})  # fmt: skip
+    built = describe_program([scratch], stream, recorder, [x], [slots], {}, False, False, first)
+    assert not isinstance(built, str), built
+    description = built[0]
+    assert description[6] == ((torch.int32, (4,), (1,), -1),) and description[9:] == (True, False, 1)
+    assert description[8][0][7] == ((0, _Args.n.offset, 4, 0),)
+    second = Part(allocs=slice(1, None), launches=slice(1, None), begins=False, values=("out", "grid"), rows=("out",),
+                  fields={1: ((0, _Args.n.offset, 4, "out"),)}, grids={1: "grid"})  # fmt: skip
+    built = describe_program([scratch], stream, recorder, [x, slots], [rows, constant, slots], {}, False, False, second)
+    assert not isinstance(built, str), built
+    description, sources, _ = built
+    # The rows' first dimension is value 0, the grid's x value 1; the first part's allocation is an input
+    assert description[6] == ((torch.float32, (-1, 8), (8, 1), -1), (torch.float32, (4,), (1,), -1))
+    assert description[7] == ((0, (-1, 8), (8, 1), 0), (1, (4,), (1,), 0))
+    (_, grid, _, _, pdl, _, patches, fields) = description[8][0]
+    assert grid == (-2, 1, 1) and pdl and fields == ((0, _Args.n.offset, 4, 0),)
+    assert patches == ((0, _Args.x.offset, 1), (0, _Args.out.offset, -1), (0, _Args.scratch.offset, -2))
+    assert sources == (0, 1, -2) and description[9:] == (False, True, 2)
+    module, reason = steady_module()
+    assert module is not None, reason
+    program = module.Program(description)
+    assert program.run((None, None), None, (37, 5)) is None  # x was recorded
+    with pytest.raises(ValueError, match=">= 0"):
+        program.run((x, slots), None, (-3, 5))
+    # A view of an allocation whose rows are the call's cannot be returned
+    assert "a view of an allocation" in describe_program([scratch], stream, recorder, [x, slots], [rows[:5]], {},
+                                                         False, False, second)  # fmt: skip
