@@ -119,6 +119,7 @@ struct Launch {
 struct Program {
     c10::DeviceIndex device_index;
     c10::Stream comm_stream;
+    CUstream comm_handle = nullptr;
     bool async_with_compute_stream, allocate_on_comm_stream, record_inputs;
     std::vector<InputSpec> inputs;
     std::vector<AllocSpec> allocs;
@@ -191,6 +192,11 @@ Program* parse_program(PyObject* d) {
         Program{static_cast<c10::DeviceIndex>(as_long(item(d, 0, "description"), "device_index")),
                 c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU)), false, false, true});
     PyObject* stream = item(d, 1, "description");
+    program->comm_handle = static_cast<CUstream>(PyLong_AsVoidPtr(item(stream, 3, "comm stream")));
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        throw ParseError{"comm stream handle must be an int"};
+    }
     program->comm_stream =
         c10::Stream::unpack3(as_long(item(stream, 0, "comm stream"), "stream id"),
                              static_cast<c10::DeviceIndex>(as_long(item(stream, 1, "comm stream"), "index")),
@@ -334,8 +340,7 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::Device device(c10::DeviceType::CUDA, program.device_index);
     c10::Stream compute = impl->getStream(device), comm = program.comm_stream;
-    auto compute_handle = static_cast<CUstream>(compute.native_handle());
-    auto comm_handle = static_cast<CUstream>(comm.native_handle());
+    CUstream comm_handle = program.comm_handle;
 
     // The communication starts after the compute stream's work (or the given event), as V2's does
     if (program.begins && previous_event != nullptr) {
@@ -426,7 +431,6 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
                 if (t != nullptr) impl->recordDataPtrOnStream(t->storage().data_ptr(), comm);
         if (!async) end_event->block(compute);
     }
-    (void)compute_handle;
     clock.mark(4);
 
     std::vector<at::Tensor> outputs;
@@ -490,7 +494,7 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
 
     std::vector<at::Tensor> outputs;
     std::string failure;
-    bool captured = false;
+    bool declined = false;  // a capture, or a stream torch cannot name
     std::unique_ptr<c10::Event> end_event;
     if (program.ends) end_event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
     PyThreadState* saved = PyEval_SaveThread();  // the launches may block: other virtual ranks go on
@@ -498,22 +502,28 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
         // A capture takes the Python path, whose every step is capture-safe (the events above are
         // reused across calls, which a graph would freeze)
         const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-        auto compute = static_cast<CUstream>(
-            impl->getStream(c10::Device(c10::DeviceType::CUDA, program.device_index)).native_handle());
+        c10::Stream current = impl->getStream(c10::Device(c10::DeviceType::CUDA, program.device_index));
+        CUstream compute = nullptr;
+        bool named = true;
+        try {
+            compute = static_cast<CUstream>(current.native_handle());
+        } catch (const std::exception&) {
+            named = false;  // a torch that cannot name its stream: the Python path serves every call
+        }
         CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-        CUresult result = d.is_capturing(compute, &status);
-        if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamIsCapturing")};
-        if (status != CU_STREAM_CAPTURE_STATUS_NONE)
-            captured = true;
-        else
-            outputs = run_native(program, inputs, previous_event, values, end_event.get(), clock);
+        if (named) {
+            CUresult result = d.is_capturing(compute, &status);
+            if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamIsCapturing")};
+        }
+        declined = !named || status != CU_STREAM_CAPTURE_STATUS_NONE;
+        if (!declined) outputs = run_native(program, inputs, previous_event, values, end_event.get(), clock);
     } catch (const RunFailure& error) {
         failure = error.message;
     } catch (const std::exception& error) {
         failure = error.what();
     }
     PyEval_RestoreThread(saved);
-    if (captured) Py_RETURN_NONE;
+    if (declined) Py_RETURN_NONE;
     if (!failure.empty()) {
         PyErr_SetString(PyExc_RuntimeError, ("deep_ep steady path: " + failure).c_str());
         return nullptr;

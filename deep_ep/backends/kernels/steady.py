@@ -255,7 +255,8 @@ def describe_program(
         result_sources.append(len(outputs) - 1)
     input_specs = tuple(None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride())) for t in inputs)
     description = (
-        comm_stream.device_index, (comm_stream.stream_id, comm_stream.device_index, comm_stream.device_type),
+        comm_stream.device_index,
+        (comm_stream.stream_id, comm_stream.device_index, comm_stream.device_type, comm_stream.cuda_stream),
         async_with_compute_stream, allocate_on_comm_stream, not avoid_record_stream(), input_specs, tuple(allocs),
         tuple(outputs), tuple(launches), part.begins, part.ends, len(part.values),
     )  # fmt: skip
