@@ -119,8 +119,8 @@ struct Launch {
 struct Program {
     c10::DeviceIndex device_index;
     c10::Stream comm_stream;
-    CUstream comm_handle = nullptr;
     bool async_with_compute_stream, allocate_on_comm_stream, record_inputs;
+    CUstream comm_handle = nullptr;
     std::vector<InputSpec> inputs;
     std::vector<AllocSpec> allocs;
     std::vector<OutputSpec> outputs;
