@@ -339,6 +339,8 @@ class SteadyPath:
         else:
             if type(handle) is not EPHandle or handle.buffer_id != self.buffer_id or stats is not None:
                 return None
+            if handle.do_cpu_sync:  # its row counts change with every dispatch: a key per count would thrash
+                return None
             shape = handle_shape(handle)
         if type(x) is tuple:
             if len(x) != 2 or not isinstance(x[0], torch.Tensor) or not isinstance(x[1], torch.Tensor):
@@ -364,6 +366,8 @@ class SteadyPath:
                                                           type(previous_event) is not EventHandle):  # fmt: skip
             return None
         if type(handle) is not EPHandle or handle.buffer_id != self.buffer_id or not isinstance(x, torch.Tensor):
+            return None
+        if handle.do_cpu_sync:  # its row counts change with every dispatch: a key per count would thrash
             return None
         if type(bias) is tuple and len(bias) != 2:
             return None
