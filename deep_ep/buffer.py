@@ -879,7 +879,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             entry = steady.entries.get(key) if key is not None else None
             if entry is not None and self._failure is None and not self._agrs.engine_open:
                 inputs = steady.combine_inputs(x, handle, topk_weights, bias)
-                done = self._run("combine", lambda: steady.combine(entry, inputs, previous_event))
+                done = self._run("combine", lambda: steady.combine(entry, inputs, previous_event, handle))
                 if done is not None:
                     return done
         backend = self._live_backend("combine")

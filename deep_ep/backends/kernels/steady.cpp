@@ -291,6 +291,7 @@ Program* parse_program(PyObject* d) {
             if (dim < 0 && static_cast<size_t>(-1 - dim) >= program->num_values)
                 throw ParseError{"a size names a value past num_values"};
     };
+    for (const InputSpec& spec : program->inputs) check_values(spec.sizes);
     for (const AllocSpec& spec : program->allocs) check_values(spec.sizes);
     for (const OutputSpec& spec : program->outputs) check_values(spec.sizes);
     for (const Launch& launch : program->launches) {
@@ -311,10 +312,19 @@ std::vector<int64_t> resolve(const std::vector<int64_t>& dims, const std::vector
 
 // ---------------------------------------------------------------------------------- Program.run
 
-// Whether `tensor` is what the recording saw at `spec` (on the program's device).
-bool matches(const at::Tensor& tensor, const InputSpec& spec, c10::DeviceIndex device_index) {
-    return tensor.scalar_type() == spec.dtype && tensor.is_cuda() && tensor.get_device() == device_index &&
-           tensor.sizes().equals(spec.sizes) && tensor.strides().equals(spec.strides) && !tensor.requires_grad();
+// Whether `tensor` is what the recording saw at `spec` (on the program's device; a size that is a
+// value must equal the call's).
+bool matches(const at::Tensor& tensor, const InputSpec& spec, c10::DeviceIndex device_index,
+             const std::vector<int64_t>& values) {
+    if (tensor.scalar_type() != spec.dtype || !tensor.is_cuda() || tensor.get_device() != device_index ||
+        tensor.dim() != static_cast<int64_t>(spec.sizes.size()) || !tensor.strides().equals(spec.strides) ||
+        tensor.requires_grad())
+        return false;
+    for (size_t i = 0; i < spec.sizes.size(); ++i) {
+        int64_t expected = spec.sizes[i] < 0 ? values[-1 - spec.sizes[i]] : spec.sizes[i];
+        if (tensor.size(static_cast<int64_t>(i)) != expected) return false;
+    }
+    return true;
 }
 
 struct RunFailure {
@@ -477,7 +487,7 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
         }
         if (!spec.present || !THPVariable_Check(obj)) Py_RETURN_NONE;
         const at::Tensor& tensor = THPVariable_Unpack(obj);
-        if (!matches(tensor, spec, program.device_index)) Py_RETURN_NONE;
+        if (!matches(tensor, spec, program.device_index, values)) Py_RETURN_NONE;
         inputs[i] = &tensor;
     }
     void* previous_event = nullptr;

@@ -141,6 +141,7 @@ class Part:
         begins, ends: whether the part starts the call (the stream wait) and ends it (the event).
         values: the names of the call's values, in order.
         rows: the recording's row names (`Recorder.rows`) that are values: a value's index per name.
+        inputs: per input (index), the value name of its first dimension (a handle's rows).
         fields: per launch (index in the recording), `(param, offset, width, value name)` of the
             parameter fields that take a value.
         grids: per launch (index in the recording), the value name of its grid's x dimension.
@@ -152,6 +153,7 @@ class Part:
     ends: bool = True
     values: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
+    inputs: dict[int, str] = field(default_factory=dict)
     fields: dict[int, tuple[tuple[int, int, int, str], ...]] = field(default_factory=dict)
     grids: dict[int, str] = field(default_factory=dict)
 
@@ -253,7 +255,12 @@ def describe_program(
             shape = allocs[alloc][1]
         outputs.append((alloc, shape, tuple(tensor.stride()), tensor.storage_offset()))
         result_sources.append(len(outputs) - 1)
-    input_specs = tuple(None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride())) for t in inputs)
+    input_specs = tuple(
+        None if t is None else
+        (t.dtype, ((-1 - value_of[part.inputs[i]], *t.shape[1:]) if i in part.inputs else tuple(t.shape)),
+         tuple(t.stride()))
+        for i, t in enumerate(inputs)
+    )  # fmt: skip
     description = (
         comm_stream.device_index,
         (comm_stream.stream_id, comm_stream.device_index, comm_stream.device_type, comm_stream.cuda_stream),
@@ -339,7 +346,9 @@ class SteadyPath:
         else:
             if type(handle) is not EPHandle or handle.buffer_id != self.buffer_id or stats is not None:
                 return None
-            if handle.do_cpu_sync:  # its row counts change with every dispatch: a key per count would thrash
+            # With CPU sync the handle's rows change with every dispatch: they are the call's values, and
+            # the scales' column stride would follow them
+            if handle.do_cpu_sync and use_tma_aligned_col_major_sf is not False:
                 return None
             shape = handle_shape(handle)
         if type(x) is tuple:
@@ -366,8 +375,6 @@ class SteadyPath:
                                                           type(previous_event) is not EventHandle):  # fmt: skip
             return None
         if type(handle) is not EPHandle or handle.buffer_id != self.buffer_id or not isinstance(x, torch.Tensor):
-            return None
-        if handle.do_cpu_sync:  # its row counts change with every dispatch: a key per count would thrash
             return None
         if type(bias) is tuple and len(bias) != 2:
             return None
@@ -421,10 +428,15 @@ class SteadyPath:
         first = None
         if synced:
             first, inputs, part = self._synced_parts(recorder, inputs, flags)
-            built = part if isinstance(part, str) else describe_program(own, self.comm_stream, recorder, inputs, results,
-                                                                        clones, *flags, part)  # fmt: skip
+        elif not fresh and handle.do_cpu_sync:  # a cached dispatch whose rows are the handle's
+            part = Part(values=("out", "meta", "grid"), rows=("out",), inputs={8: "meta"},
+                        fields={1: _epilogue_row_fields()}, grids={1: "grid"})  # fmt: skip
+            if len(recorder.launches) != 2:
+                part = "not two launches in a cached dispatch"
         else:
-            built = describe_program(own, self.comm_stream, recorder, inputs, results, clones, *flags)
+            part = Part()
+        built = part if isinstance(part, str) else describe_program(own, self.comm_stream, recorder, inputs, results,
+                                                                    clones, *flags, part)  # fmt: skip
         templates: tuple[Any, Any] = (None, None)
         if fresh:  # without tensors: a template must not keep the recorded call's outputs alive
             state = _copy_with(handle.backend_state, STATE_FIELDS, [None] * len(STATE_FIELDS))
@@ -432,9 +444,10 @@ class SteadyPath:
             templates[0].backend_state = None
         self._remember(key, built, *templates)
         entry = self.entries.get(key)
+        if entry is not None and recorder.launches:
+            entry.busy_sms = recorder.launches[0][1][0] - self.runtime.nic_ctas
         if synced and entry is not None and entry.first is None:
             entry.first, entry.drain = self.module.Program(first[0]), recorder.drain
-            entry.busy_sms = recorder.launches[0][1][0] - self.runtime.nic_ctas
 
     def _synced_parts(self, recorder: Recorder, inputs: tuple, flags: tuple[bool, bool]) -> tuple[Any, tuple, Any]:
         """A CPU-sync dispatch's first program (up to the wait for the counts), the second's inputs
@@ -453,27 +466,32 @@ class SteadyPath:
                                  *flags, part)  # fmt: skip
         if isinstance(first, str):
             return None, inputs, first
-        rows = [(name, getattr(specs.DispatchEpilogueArgs, field)) for name, field in
-                (("out", "num_out_rows"), ("meta", "num_meta_rows"))]  # fmt: skip
         second = Part(allocs=slice(num_allocs, None), launches=slice(num_launches, None), begins=False,
-                      values=("out", "meta", "grid"), rows=("out", "meta"),
-                      fields={num_launches: tuple((0, f.offset, f.size, name) for name, f in rows)},
+                      values=("out", "meta", "grid"), rows=("out", "meta"), fields={num_launches: _epilogue_row_fields()},
                       grids={num_launches: "grid"})  # fmt: skip
         return first, (*inputs, *carried), second
 
     def record_combine(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, request: Any) -> None:
         """Make the program of a combine the Python path just ran (`inputs`: `combine_inputs`)."""
+        part = Part()
+        if request.handle.do_cpu_sync:  # the rows of `x`, its weights and the handle's metadata are values
+            rows = {0: "rows", 5: "meta"} | ({1: "rows"} if inputs[1] is not None else {})
+            combine, epilogue = specs.CombineArgs, specs.CombineEpilogueArgs
+            part = Part(values=("rows", "meta"), inputs=rows, fields={
+                0: ((0, combine.num_x_rows.offset, combine.num_x_rows.size, "rows"),
+                    (0, combine.num_meta_rows.offset, combine.num_meta_rows.size, "meta")),
+                1: ((0, epilogue.num_local_rows.offset, epilogue.num_local_rows.size, "rows"),)})  # fmt: skip
         built = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs,
                                  [result.combined_x, result.combined_topk_weights], {},
-                                 request.async_with_compute_stream, request.allocate_on_comm_stream)  # fmt: skip
+                                 request.async_with_compute_stream, request.allocate_on_comm_stream, part)  # fmt: skip
         self._remember(key, built)
 
     # ------------------------------------------------------------------------------- replays
 
-    def _run(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> list | None:
+    def _run(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None, values: tuple = ()) -> list | None:
         runtime = self.runtime
         runtime.check_error()
-        outputs = entry.program.run(inputs, previous_event_handle(previous_event), ())
+        outputs = entry.program.run(inputs, previous_event_handle(previous_event), values)
         if outputs is None:
             return None
         self.num_calls += 1
@@ -491,7 +509,12 @@ class SteadyPath:
         or `None` when an input differs from the recording."""
         if entry.first is not None:
             return self._dispatch_synced(entry, inputs, previous_event)
-        values = self._run(entry, inputs, previous_event)
+        rows = ()
+        if handle is not None and handle.do_cpu_sync:
+            num_out_rows, num_meta_rows = handle_rows(handle)
+            grid = self.runtime.grid_for_rows(num_meta_rows, entry.busy_sms) + self.runtime.nic_ctas
+            rows = (num_out_rows, num_meta_rows, grid)
+        values = self._run(entry, inputs, previous_event, rows)
         if values is None:
             return None
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights = values[:4]
@@ -563,10 +586,11 @@ class SteadyPath:
         recv = recv_x if recv_scales is None else (recv_x, recv_scales)
         return recv, recv_topk_idx, recv_topk_weights, handle, event
 
-    def combine(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> tuple | None:
+    def combine(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
+                handle: EPHandle) -> tuple | None:  # fmt: skip
         """Replay a combine: `(combined_x, combined_topk_weights, event)`, or `None` when an input
         differs from the recording."""
-        values = self._run(entry, inputs, previous_event)
+        values = self._run(entry, inputs, previous_event, handle_rows(handle) if handle.do_cpu_sync else ())
         if values is None:
             return None
         return values[0], values[1], EventOverlap(EventHandle.of(values[2]))
@@ -592,7 +616,20 @@ class SteadyPath:
 
 
 def handle_shape(handle: EPHandle) -> tuple:
-    """What of a handle decides the shapes of a cached dispatch or combine with it."""
-    return (handle.num_tokens, handle.num_recv_tokens, handle.num_expanded_tokens, handle.do_expand,
-            handle.num_experts, handle.num_max_tokens_per_rank, handle.expert_alignment, handle.num_sms,
-            handle.hidden, handle.num_topk, handle.do_cpu_sync, handle.scale_kind)  # fmt: skip
+    """What of a handle decides the shapes of a cached dispatch or combine with it; a CPU-sync handle's
+    row counts are not part of it (they are the call's values, `handle_rows`)."""
+    counts = (None, None) if handle.do_cpu_sync else (handle.num_recv_tokens, handle.num_expanded_tokens)
+    return (handle.num_tokens, *counts, handle.do_expand, handle.num_experts, handle.num_max_tokens_per_rank,
+            handle.expert_alignment, handle.num_sms, handle.hidden, handle.num_topk, handle.do_cpu_sync,
+            handle.scale_kind)  # fmt: skip
+
+
+def _epilogue_row_fields() -> tuple[tuple[int, int, int, str], ...]:
+    """The dispatch epilogue's fields that take the output rows and the received tokens."""
+    out, meta = specs.DispatchEpilogueArgs.num_out_rows, specs.DispatchEpilogueArgs.num_meta_rows
+    return (0, out.offset, out.size, "out"), (0, meta.offset, meta.size, "meta")
+
+
+def handle_rows(handle: EPHandle) -> tuple[int, int]:
+    """The rows of a handle's outputs (expanded or not) and of its `recv_src_metadata`."""
+    return (handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens), handle.num_recv_tokens
