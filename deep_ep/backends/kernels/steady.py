@@ -413,7 +413,8 @@ class SteadyPath:
         self.entries[key] = Entry(self.module.Program(description), result_sources, keep, handle, state)
 
     def record_dispatch(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, handle: EPHandle,
-                        fresh: bool, do_handle_copy: bool, request: Any) -> None:  # fmt: skip
+                        fresh: bool, do_handle_copy: bool, request: Any, async_with_compute_stream: bool,
+                        allocate_on_comm_stream: bool) -> None:  # fmt: skip
         """Make the program of a dispatch the Python path just ran (`inputs`: `dispatch_inputs`)."""
         synced = fresh and request.do_cpu_sync
         results = [getattr(result, name) for name in RESULT_FIELDS]
@@ -423,7 +424,7 @@ class SteadyPath:
             results += [getattr(handle.backend_state, name) for name in STATE_FIELDS]
             if do_handle_copy:
                 clones[len(RESULT_FIELDS)] = 2  # the handle's copy of topk_idx
-        flags = (request.async_with_compute_stream, request.allocate_on_comm_stream)
+        flags = (bool(async_with_compute_stream), bool(allocate_on_comm_stream))
         own = _runtime_tensors(self.runtime)
         first = None
         if synced:
@@ -471,7 +472,8 @@ class SteadyPath:
                       grids={num_launches: "grid"})  # fmt: skip
         return first, (*inputs, *carried), second
 
-    def record_combine(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, request: Any) -> None:
+    def record_combine(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, request: Any,
+                       async_with_compute_stream: bool, allocate_on_comm_stream: bool) -> None:  # fmt: skip
         """Make the program of a combine the Python path just ran (`inputs`: `combine_inputs`)."""
         part = Part()
         if request.handle.do_cpu_sync:  # the rows of `x`, its weights and the handle's metadata are values
@@ -483,7 +485,7 @@ class SteadyPath:
                 1: ((0, epilogue.num_local_rows.offset, epilogue.num_local_rows.size, "rows"),)})  # fmt: skip
         built = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs,
                                  [result.combined_x, result.combined_topk_weights], {},
-                                 request.async_with_compute_stream, request.allocate_on_comm_stream, part)  # fmt: skip
+                                 bool(async_with_compute_stream), bool(allocate_on_comm_stream), part)  # fmt: skip
         self._remember(key, built)
 
     # ------------------------------------------------------------------------------- replays
