@@ -825,7 +825,8 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             if recorder is not None:
                 steady.record_dispatch(key, recorder, steady.dispatch_inputs(x, topk_idx, topk_weights,
                                        cumulative_local_expert_recv_stats, handle), result, out_handle, handle is None,
-                                       do_handle_copy, request)  # fmt: skip
+                                       do_handle_copy, request, async_with_compute_stream,
+                                       allocate_on_comm_stream)  # fmt: skip
             return (result, out_handle), inputs, outputs
 
         (result, handle), event = self._communicate(
@@ -912,9 +913,9 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                 if recorder is not None:
                     steady.stop()
             if recorder is not None:
-                steady.record_combine(
-                    key, recorder, steady.combine_inputs(x, handle, topk_weights, bias), result, request
-                )
+                inputs = steady.combine_inputs(x, handle, topk_weights, bias)
+                steady.record_combine(key, recorder, inputs, result, request, async_with_compute_stream,
+                                      allocate_on_comm_stream)  # fmt: skip
             inputs = (request.x, request.topk_weights, request.bias_0, request.bias_1)
             return result, inputs, (result.combined_x, result.combined_topk_weights)
 
