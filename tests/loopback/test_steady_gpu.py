@@ -63,7 +63,11 @@ def _steady_rank(rank: int, group: dist.ProcessGroup, case: dict, seed: int) -> 
     try:
         for i in range(NUM_ITERS):  # the same shapes, new data and routing each time
             run_case(buffers, rank, group.size(), case, seed + 101 * i)
-        return {"steady": kernels._steady is not None, "calls": kernels._steady.num_calls if kernels._steady else 0}
+        steady = kernels._steady
+        if steady is None:
+            return {"steady": False, "calls": 0}
+        return {"steady": True, "calls": steady.num_calls, "refused": steady.num_refused,
+                "declined": sorted({f"{key[0]}: {reason}" for key, reason in steady.declined.items()})}  # fmt: skip
     finally:
         for pair in buffers.values():
             for buffer in pair:

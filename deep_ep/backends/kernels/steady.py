@@ -316,6 +316,7 @@ class SteadyPath:
         self.declined: dict[tuple, str] = {}  # why, per such shape
         self.recorder: Recorder | None = None
         self.num_calls = 0  # calls served by a program
+        self.num_refused = 0  # calls a program refused (an input unlike its recording): the Python path's
 
     def phase_ns(self) -> dict[str, int]:
         """Host nanoseconds per phase (`PHASES`) summed over this buffer's replays so far."""
@@ -379,7 +380,8 @@ class SteadyPath:
         if type(bias) is tuple and len(bias) != 2:
             return None
         scalars = (num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream)
-        return ("combine", x.shape, x.dtype, handle_shape(handle), topk_weights is None, type(bias),
+        rows = x.shape[1:] if handle.do_cpu_sync else x.shape  # a CPU-sync handle's rows are the call's values
+        return ("combine", rows, x.dtype, handle_shape(handle), topk_weights is None, type(bias),
                 previous_event is None, scalars, tuple(map(type, scalars)))  # fmt: skip
 
     # ----------------------------------------------------------------------------- recording
@@ -495,6 +497,7 @@ class SteadyPath:
         runtime.check_error()
         outputs = entry.program.run(inputs, previous_event_handle(previous_event), values)
         if outputs is None:
+            self.num_refused += 1
             return None
         self.num_calls += 1
         if entry.handle is not None:  # a fresh dispatch: its routing is checked on the device
@@ -543,6 +546,7 @@ class SteadyPath:
         sequence = runtime.next_counts_sequence()
         first = entry.first.run(inputs, previous_event_handle(previous_event), (sequence,))
         if first is None:
+            self.num_refused += 1
             return None
         num_ranks = runtime.num_ranks
         rejected = False
