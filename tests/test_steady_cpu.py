@@ -57,6 +57,13 @@ def test_a_recording_becomes_patches_at_each_address_of_an_input_or_allocation()
     assert description[7] == ((0, (4, 6), (6, 1), 8),)
     assert description[5] == ((torch.float32, (4, 8), (8, 1)), None)
     assert description[2:4] == (False, True)
+    assert description[6] == ((torch.float32, (32,), (1,), -1, False),)
+    # A handle's tensors share one allocation: the allocation behind result 0 joins the group, and
+    # so does one no result returns
+    grouped = describe_program([scratch], stream, recorder, [x, None], [view, x, None], {}, False, True, None, [0])
+    assert grouped[0][6] == ((torch.float32, (32,), (1,), -1, True),)
+    unreturned = describe_program([scratch], stream, recorder, [x, None], [x], {}, False, True, None, (), True)
+    assert unreturned[0][6] == ((torch.float32, (32,), (1,), -1, True),)
 
 
 def test_a_recording_is_refused_where_an_address_could_go_stale():
@@ -145,7 +152,7 @@ def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
     built = describe_program([scratch], stream, recorder, [x], [slots], {}, False, False, first)
     assert not isinstance(built, str), built
     description = built[0]
-    assert description[6] == ((torch.int32, (4,), (1,), -1),) and description[9:] == (True, False, 1)
+    assert description[6] == ((torch.int32, (4,), (1,), -1, False),) and description[9:] == (True, False, 1)
     assert description[8][0][7] == ((0, _Args.n.offset, 4, 0),)
     second = Part(allocs=slice(1, None), launches=slice(1, None), begins=False, values=("out", "grid"), rows=("out",),
                   fields={1: ((0, _Args.n.offset, 4, "out"),)}, grids={1: "grid"})  # fmt: skip
@@ -153,7 +160,7 @@ def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
     assert not isinstance(built, str), built
     description, sources, _ = built
     # The rows' first dimension is value 0, the grid's x value 1; the first part's allocation is an input
-    assert description[6] == ((torch.float32, (-1, 8), (8, 1), -1), (torch.float32, (4,), (1,), -1))
+    assert description[6] == ((torch.float32, (-1, 8), (8, 1), -1, False), (torch.float32, (4,), (1,), -1, False))
     assert description[7] == ((0, (-1, 8), (8, 1), 0), (1, (4,), (1,), 0))
     (_, grid, _, _, pdl, _, patches, fields) = description[8][0]
     assert grid == (-2, 1, 1) and pdl and fields == ((0, _Args.n.offset, 4, 0),)

@@ -14,8 +14,9 @@
 // CPU-only torch (CI compiles it there; its checks run without a GPU).
 #include <Python.h>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_strided.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <cuda.h>
@@ -90,6 +91,7 @@ struct AllocSpec {
     at::ScalarType dtype;
     std::vector<int64_t> sizes, strides;
     int clone_of;  // >= 0: a copy of that (contiguous) input, made on the communication stream
+    bool grouped;  // carved out of the call's one shared allocation (a handle's small tensors)
 };
 
 struct OutputSpec {
@@ -222,9 +224,9 @@ Program* parse_program(PyObject* d) {
         if (clone_of >= static_cast<int>(program->inputs.size()) ||
             (clone_of >= 0 && !program->inputs[clone_of].present))
             throw ParseError{"alloc clone_of must name a present input"};
-        program->allocs.push_back(AllocSpec{as_dtype(item(spec, 0, "alloc"), "alloc dtype"),
-                                            as_dims(item(spec, 1, "alloc"), "alloc sizes"),
-                                            as_dims(item(spec, 2, "alloc"), "alloc strides"), clone_of});
+        program->allocs.push_back(AllocSpec{
+            as_dtype(item(spec, 0, "alloc"), "alloc dtype"), as_dims(item(spec, 1, "alloc"), "alloc sizes"),
+            as_dims(item(spec, 2, "alloc"), "alloc strides"), clone_of, PyObject_IsTrue(item(spec, 4, "alloc")) == 1});
     }
     PyObject* outputs = item(d, 7, "description");
     for (Py_ssize_t i = 0; i < PyTuple_Size(outputs); ++i) {
@@ -343,6 +345,51 @@ struct PhaseClock {
     }
 };
 
+// A tensor of `dtype` over `storage` from `offset` bytes: made directly, not through the dispatcher
+// (whose every call costs microseconds of host time here)
+at::Tensor tensor_over(const c10::Storage& storage, at::ScalarType dtype, c10::IntArrayRef sizes,
+                       c10::IntArrayRef strides, size_t offset) {
+    at::Tensor tensor = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA), c10::scalarTypeToTypeMeta(dtype));
+    tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides,
+                                                        static_cast<int64_t>(offset / c10::elementSize(dtype)));
+    return tensor;
+}
+
+// The call's allocations, from torch's CUDA caching allocator on the current stream (as torch.empty
+// would): each on its own, except the grouped ones, which share one (256-byte aligned each).
+// `storages` gets each allocation made.
+std::vector<at::Tensor> allocate(const Program& program, const std::vector<int64_t>& values,
+                                 std::vector<c10::Storage>& storages) {
+    constexpr size_t kAlignment = 256;
+    c10::Allocator* allocator = c10::GetAllocator(c10::DeviceType::CUDA);
+    auto make_storage = [&](size_t bytes) {
+        storages.emplace_back(c10::Storage::use_byte_size_t(), bytes, allocator->allocate(bytes), allocator, false);
+        return storages.back();
+    };
+    std::vector<at::Tensor> allocs(program.allocs.size());
+    std::vector<std::vector<int64_t>> sizes(program.allocs.size());
+    std::vector<size_t> offsets(program.allocs.size(), 0);
+    size_t group_bytes = 0;
+    for (size_t i = 0; i < program.allocs.size(); ++i) {
+        const AllocSpec& spec = program.allocs[i];
+        sizes[i] = resolve(spec.sizes, values);
+        size_t bytes = at::detail::computeStorageNbytes(sizes[i], spec.strides, c10::elementSize(spec.dtype));
+        if (spec.grouped) {
+            offsets[i] = group_bytes;
+            group_bytes += (bytes + kAlignment - 1) / kAlignment * kAlignment;
+        } else {
+            allocs[i] = tensor_over(make_storage(bytes), spec.dtype, sizes[i], spec.strides, 0);
+        }
+    }
+    if (group_bytes == 0) return allocs;
+    c10::Storage group = make_storage(group_bytes);
+    for (size_t i = 0; i < program.allocs.size(); ++i)
+        if (program.allocs[i].grouped)
+            allocs[i] = tensor_over(group, program.allocs[i].dtype, sizes[i], program.allocs[i].strides, offsets[i]);
+    return allocs;
+}
+
 // What `run` does without the GIL: returns the output tensors and the end event.
 std::vector<at::Tensor> run_native(Program& program, const std::vector<const at::Tensor*>& inputs, void* previous_event,
                                    const std::vector<int64_t>& values, c10::Event* end_event, PhaseClock& clock) {
@@ -366,17 +413,18 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     // Allocations come from the communication stream's pool (the Python path allocates with it
     // current), so it is made current for them
     c10::Stream previous = impl->exchangeStream(comm);
+    c10::Device previous_device = impl->exchangeDevice(device);
     std::vector<at::Tensor> allocs;
+    std::vector<c10::Storage> storages;  // what the caching allocator handed out
     try {
-        allocs.reserve(program.allocs.size());
-        for (const AllocSpec& spec : program.allocs)
-            allocs.push_back(at::empty_strided(resolve(spec.sizes, values), spec.strides,
-                                               at::TensorOptions().dtype(spec.dtype).device(device)));
+        allocs = allocate(program, values, storages);
     } catch (...) {
         impl->exchangeStream(previous);
+        impl->exchangeDevice(previous_device);
         throw;
     }
     impl->exchangeStream(previous);
+    impl->exchangeDevice(previous_device);
     clock.mark(2);
 
     for (size_t i = 0; i < allocs.size(); ++i) {
@@ -431,9 +479,9 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     // stream's wait and the inputs' records come with the last part
     bool async = program.async_with_compute_stream;
     if (async || !program.allocate_on_comm_stream)
-        for (const at::Tensor& t : allocs) impl->recordDataPtrOnStream(t.storage().data_ptr(), compute);
+        for (const c10::Storage& storage : storages) impl->recordDataPtrOnStream(storage.data_ptr(), compute);
     if (async)
-        for (const at::Tensor& t : allocs) impl->recordDataPtrOnStream(t.storage().data_ptr(), comm);
+        for (const c10::Storage& storage : storages) impl->recordDataPtrOnStream(storage.data_ptr(), comm);
     if (end_event != nullptr) {
         end_event->record(comm);
         if (async && program.record_inputs)
@@ -445,9 +493,15 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
 
     std::vector<at::Tensor> outputs;
     outputs.reserve(program.outputs.size());
-    for (const OutputSpec& spec : program.outputs)
-        outputs.push_back(
-            allocs[spec.alloc].as_strided(resolve(spec.sizes, values), spec.strides, spec.storage_offset));
+    for (const OutputSpec& spec : program.outputs) {
+        const at::Tensor& alloc = allocs[spec.alloc];
+        auto output_sizes = resolve(spec.sizes, values);
+        if (spec.storage_offset == 0 && alloc.sizes().equals(output_sizes) && alloc.strides().equals(spec.strides))
+            outputs.push_back(alloc);  // the allocation itself: no view to make
+        else
+            outputs.push_back(
+                alloc.as_strided(output_sizes, spec.strides, alloc.storage_offset() + spec.storage_offset));
+    }
     return outputs;
 }
 

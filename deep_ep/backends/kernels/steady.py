@@ -162,6 +162,7 @@ def describe_program(
     runtime_tensors: Sequence[torch.Tensor], comm_stream: Any, recorder: Recorder,
     inputs: Sequence[torch.Tensor | None], results: Sequence[torch.Tensor | None], clones: dict[int, int],
     async_with_compute_stream: bool, allocate_on_comm_stream: bool, part: Part | None = None,
+    grouped: Sequence[int] = (), group_unreturned: bool = False,
 ) -> tuple[tuple, tuple[int | None, ...], list[torch.Tensor]] | str:  # fmt: skip
     """The description of a `Program` (steady.cpp's `parse_program`) that repeats the recorded call
     for other tensors of the same shapes.
@@ -173,6 +174,9 @@ def describe_program(
         results: the tensors the call returns (or `None`), each an input, a view of an allocation,
             or (`clones`: result index -> input index) a copy of an input.
         part: which part of the recording, and what in it follows the call's values.
+        grouped: the results (indices) whose allocations share one (a handle's tensors: they live and
+            die together, and one allocation costs the host less than several);
+            `group_unreturned`: also the allocations no result returns.
 
     Returns:
         `(description, sources, keep)`: per result, `k >= 0` for the program's output `k`, `-1 - i`
@@ -227,7 +231,7 @@ def describe_program(
         if rows in part.rows:  # its first dimension is the call's value (its strides do not depend on it)
             shape = (-1 - value_of[rows], *shape[1:])
         allocs.append((tensor.dtype, shape, tuple(tensor.stride()), -1))
-    outputs, result_sources = [], []
+    outputs, result_sources, output_of = [], [], {}
     storages = {t.untyped_storage().data_ptr(): j for j, t in enumerate(recorded_allocs)}
     for index, tensor in enumerate(results):
         if tensor is None:
@@ -255,6 +259,9 @@ def describe_program(
             shape = allocs[alloc][1]
         outputs.append((alloc, shape, tuple(tensor.stride()), tensor.storage_offset()))
         result_sources.append(len(outputs) - 1)
+        output_of.setdefault(alloc, set()).add(index)
+    groups = [(group_unreturned if j not in output_of else output_of[j] <= set(grouped)) for j in range(len(allocs))]
+    allocs = [(*spec, group) for spec, group in zip(allocs, groups, strict=True)]
     input_specs = tuple(
         None if t is None else
         (t.dtype, ((-1 - value_of[part.inputs[i]], *t.shape[1:]) if i in part.inputs else tuple(t.shape)),
@@ -438,8 +445,11 @@ class SteadyPath:
                 part = "not two launches in a cached dispatch"
         else:
             part = Part()
+        # The handle's tensors (and what no result returns) share one allocation; the outputs do not (a
+        # caller frees `recv_x` long before the handle)
+        grouped = range(len(RESULT_FIELDS), len(results))
         built = part if isinstance(part, str) else describe_program(own, self.comm_stream, recorder, inputs, results,
-                                                                    clones, *flags, part)  # fmt: skip
+                                                                    clones, *flags, part, grouped, True)  # fmt: skip
         templates: tuple[Any, Any] = (None, None)
         if fresh:  # without tensors: a template must not keep the recorded call's outputs alive
             state = _copy_with(handle.backend_state, STATE_FIELDS, [None] * len(STATE_FIELDS))
@@ -466,7 +476,7 @@ class SteadyPath:
                     fields={0: (sequence_field,)})  # fmt: skip
         carried = recorder.allocs[:num_allocs]
         first = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs, carried, {},
-                                 *flags, part)  # fmt: skip
+                                 *flags, part, range(len(carried)))  # fmt: skip
         if isinstance(first, str):
             return None, inputs, first
         second = Part(allocs=slice(num_allocs, None), launches=slice(num_launches, None), begins=False,
