@@ -297,8 +297,9 @@ class Entry:
 def _copy_with(template: Any, names: tuple[str, ...], values: Sequence[Any]) -> Any:
     """A shallow copy of `template` (a plain object) with `names` set to `values`."""
     copy = object.__new__(type(template))
-    copy.__dict__.update(template.__dict__)
-    copy.__dict__.update(zip(names, values, strict=True))
+    fields = template.__dict__.copy()
+    fields.update(zip(names, values))
+    copy.__dict__ = fields
     return copy
 
 
