@@ -298,7 +298,7 @@ def _copy_with(template: Any, names: tuple[str, ...], values: Sequence[Any]) -> 
     """A shallow copy of `template` (a plain object) with `names` set to `values`."""
     copy = object.__new__(type(template))
     fields = template.__dict__.copy()
-    fields.update(zip(names, values))
+    fields.update(zip(names, values, strict=True))
     copy.__dict__ = fields
     return copy
 
