@@ -410,6 +410,21 @@ class SteadyPath:
         self.recorder = self.runtime.recorder = None
         track_pointers(None)
 
+    def record_dispatch(self, key: tuple, *args: Any) -> None:
+        """Make the program of a dispatch the Python path just ran (`_record_dispatch`). The call itself
+        succeeded: a recording that fails leaves the shape on the Python path (`declined` says why)."""
+        try:
+            self._record_dispatch(key, *args)
+        except Exception as error:  # the user's call is done: only its replays are lost
+            self._remember(key, f"recording failed: {type(error).__name__}: {error}")
+
+    def record_combine(self, key: tuple, *args: Any) -> None:
+        """Make the program of a combine the Python path just ran (`_record_combine`), as `record_dispatch`."""
+        try:
+            self._record_combine(key, *args)
+        except Exception as error:  # the user's call is done: only its replays are lost
+            self._remember(key, f"recording failed: {type(error).__name__}: {error}")
+
     def _remember(self, key: tuple, built: Any, handle: EPHandle | None = None, state: Any = None) -> None:
         if isinstance(built, str) and self.entries.get(key) is not None:
             return  # a call unlike the recorded one (its inputs' layout): the recording stays
@@ -422,7 +437,7 @@ class SteadyPath:
         description, result_sources, keep = built
         self.entries[key] = Entry(self.module.Program(description), result_sources, keep, handle, state)
 
-    def record_dispatch(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, handle: EPHandle,
+    def _record_dispatch(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, handle: EPHandle,
                         fresh: bool, do_handle_copy: bool, request: Any, async_with_compute_stream: bool,
                         allocate_on_comm_stream: bool) -> None:  # fmt: skip
         """Make the program of a dispatch the Python path just ran (`inputs`: `dispatch_inputs`)."""
@@ -485,7 +500,7 @@ class SteadyPath:
                       grids={num_launches: "grid"})  # fmt: skip
         return first, (*inputs, *carried), second
 
-    def record_combine(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, request: Any,
+    def _record_combine(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, request: Any,
                        async_with_compute_stream: bool, allocate_on_comm_stream: bool) -> None:  # fmt: skip
         """Make the program of a combine the Python path just ran (`inputs`: `combine_inputs`)."""
         part = Part()
