@@ -432,6 +432,17 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                     self._failure = self.backend.dead_reason
             raise
 
+    def _recorded(self, call: Callable[[], Any], key: tuple | None) -> tuple[Any, Any]:
+        """`call()` (the backend's dispatch or combine) and the steady path's recording of it, made
+        when `key` has no program yet (else `None`)."""
+        steady = self._steady
+        recorder = steady.start(key) if steady is not None else None
+        try:
+            return call(), recorder
+        finally:
+            if recorder is not None:
+                steady.stop()
+
     def _communicate(
         self,
         op: str,
@@ -771,12 +782,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         request, do_handle_copy = self._checked("dispatch", backend, check)
 
         def run() -> tuple[Any, tuple, tuple]:
-            recorder = steady.start(key) if steady is not None else None
-            try:
-                result = backend.dispatch(request)
-            finally:
-                if recorder is not None:
-                    steady.stop()
+            result, recorder = self._recorded(lambda: backend.dispatch(request), key)
             out_handle = handle
             if out_handle is None:
                 out_handle = EPHandle(
@@ -906,12 +912,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         request = self._checked("combine", backend, check)
 
         def run() -> tuple[Any, tuple, tuple]:
-            recorder = steady.start(key) if steady is not None else None
-            try:
-                result = backend.combine(request)
-            finally:
-                if recorder is not None:
-                    steady.stop()
+            result, recorder = self._recorded(lambda: backend.combine(request), key)
             if recorder is not None:
                 inputs = steady.combine_inputs(x, handle, topk_weights, bias)
                 steady.record_combine(key, recorder, inputs, result, request, async_with_compute_stream,
