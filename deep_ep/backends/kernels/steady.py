@@ -19,16 +19,23 @@ thousands of times, and on a GPU machine's CPU every torch call from Python cost
   takes the Python path, whose checks raise the error a bad input deserves. Otherwise it makes V2's
   stream choreography, allocates and launches; the handle and results are copies of the recorded
   ones with the new tensors in place.
+- A CPU-sync dispatch is two programs (`Part`): up to the host's wait for the counts, and after it,
+  where the output rows, the received tokens and the epilogue's grid are the call's values (sizes
+  and parameter fields that follow them). A cached dispatch or a combine with a CPU-sync handle takes
+  the handle's row counts the same way, so one program serves every step of a training loop.
 
-What stays on the Python path: dispatches with CPU sync (the host waits for the counts between the
-launches), cached dispatches that update `cumulative_local_expert_recv_stats`, calls with
+What stays on the Python path: CPU-sync dispatches with column-major scales (their column stride
+follows the counts), cached dispatches that update `cumulative_local_expert_recv_stats`, calls with
 `previous_event_before_epilogue`, calls inside a CUDA graph capture, buffers with rank masking, hybrid
-mode or peers outside the scale-up domain, and outputs with guard bytes (`LoopbackWorld(guard_bytes=)`).
-`EP_STEADY=0` turns the steady path off for new buffers. `EP_AVOID_RECORD_STREAM` is read when a
-shape is recorded.
+mode or peers outside the scale-up domain, outputs with guard bytes (`LoopbackWorld(guard_bytes=)`)
+and `EP_CHECK_VALUES=1`. `EP_STEADY=0` turns the steady path off for new buffers.
+`EP_AVOID_RECORD_STREAM` is read when a shape is recorded.
 
-Memory: the steady path allocates what the Python path does, from the same caching allocator and
-stream pool; a program keeps alive only the runtime's own scratch tensors it points at.
+Memory: the steady path allocates what the Python path does, from torch's CUDA caching allocator with
+the communication stream current (no pool of its own: a freed output's block is the allocator's to
+reuse, and 10,000 calls of each operation leave the allocated bytes unchanged); the tensors a
+handle keeps (slots, counts, metadata, its copy of `topk_idx`) share one allocation per call. A
+program keeps alive only the runtime's own scratch tensors it points at.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from deep_ep.handle import EPHandle
 from deep_ep.jit import JITCompileError, param_bytes
 
 from . import specs
+from .dispatch import raise_rejected_routing
 from .runtime import NvlinkRuntime, track_pointers
 
 SOURCE = Path(__file__).with_name("steady.cpp")
@@ -599,8 +607,6 @@ class SteadyPath:
             runtime.fail_between_launches("dispatch", error)
             raise
         if rejected:
-            from .dispatch import raise_rejected_routing
-
             raise_rejected_routing(runtime, inputs[2], template.num_experts)
         self.num_calls += 1
         runtime.num_experts_checked = template.num_experts
