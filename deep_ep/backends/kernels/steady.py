@@ -311,6 +311,28 @@ def _copy_with(template: Any, names: tuple[str, ...], values: Sequence[Any]) -> 
     return copy
 
 
+def _results(entry: Entry, outputs: tuple, inputs: tuple) -> list:
+    """A replay's results: per `Entry.result_sources`, a program output, an input or `None`."""
+    return [None if s is None else outputs[s] if s >= 0 else inputs[-1 - s] for s in entry.result_sources]
+
+
+def _fresh_handle(entry: Entry, values: Sequence[Any]) -> EPHandle:
+    """A fresh dispatch's new handle and backend state: the templates with this call's tensors
+    (`values`: its results, `RESULT_FIELDS` then `HANDLE_FIELDS` then `STATE_FIELDS`)."""
+    num_results, num_handle = len(RESULT_FIELDS), len(HANDLE_FIELDS)
+    handle = _copy_with(entry.handle, HANDLE_FIELDS, values[num_results : num_results + num_handle])
+    handle.backend_state = _copy_with(entry.state, STATE_FIELDS, values[num_results + num_handle :])
+    return handle
+
+
+def _dispatch_results(values: Sequence[Any], handle: EPHandle, event: Any) -> tuple:
+    """V2's results of a dispatch: `(recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights,
+    handle, EventOverlap)`."""
+    recv_x, recv_scales, recv_topk_idx, recv_topk_weights = values[: len(RESULT_FIELDS)]
+    recv = recv_x if recv_scales is None else (recv_x, recv_scales)
+    return recv, recv_topk_idx, recv_topk_weights, handle, EventOverlap(EventHandle.of(event))
+
+
 def previous_event_handle(previous_event: EventHandle | None) -> int | None:
     """The `CUevent` a call's communication waits for (`None`: none, or not yet recorded)."""
     if previous_event is None or previous_event.event is None:
@@ -330,7 +352,6 @@ class SteadyPath:
         self.buffer_id = buffer_id
         self.entries: dict[tuple, Entry | None] = {}  # None: the shape cannot take the steady path
         self.declined: dict[tuple, str] = {}  # why, per such shape
-        self.recorder: Recorder | None = None
         self.num_calls = 0  # calls served by a program
         self.num_refused = 0  # calls a program refused (an input unlike its recording): the Python path's
 
@@ -410,12 +431,12 @@ class SteadyPath:
             return None
         if torch.cuda.is_current_stream_capturing():
             return None
-        self.recorder = self.runtime.recorder = Recorder()
-        track_pointers(self.recorder.pointers)
-        return self.recorder
+        recorder = self.runtime.recorder = Recorder()
+        track_pointers(recorder.pointers)
+        return recorder
 
     def stop(self) -> None:
-        self.recorder = self.runtime.recorder = None
+        self.runtime.recorder = None
         track_pointers(None)
 
     def record_dispatch(self, key: tuple, *args: Any) -> None:
@@ -526,7 +547,10 @@ class SteadyPath:
 
     # ------------------------------------------------------------------------------- replays
 
-    def _run(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None, values: tuple = ()) -> list | None:
+    def _run(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
+             values: tuple = ()) -> tuple[list, Any] | None:  # fmt: skip
+        """The results (`Entry.result_sources`) and end event of one run of `entry.program`, or `None`
+        when it refused the inputs."""
         runtime = self.runtime
         runtime.check_error()
         outputs = entry.program.run(inputs, previous_event_handle(previous_event), values)
@@ -538,9 +562,7 @@ class SteadyPath:
             runtime.num_experts_checked = entry.handle.num_experts
         # An invalid `topk_idx` an earlier dispatch found on the device, raised once this call is enqueued
         runtime.take_input_error()
-        return [None if s is None else outputs[s] if s >= 0 else inputs[-1 - s] for s in entry.result_sources] + [
-            outputs[-1]
-        ]
+        return _results(entry, outputs, inputs), outputs[-1]
 
     def dispatch(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
                  handle: EPHandle | None) -> tuple | None:  # fmt: skip
@@ -553,24 +575,14 @@ class SteadyPath:
             num_out_rows, num_meta_rows = handle_rows(handle)
             grid = self.runtime.grid_for_rows(num_meta_rows, entry.busy_sms) + self.runtime.nic_ctas
             rows = (num_out_rows, num_meta_rows, grid)
-        values = self._run(entry, inputs, previous_event, rows)
-        if values is None:
+        done = self._run(entry, inputs, previous_event, rows)
+        if done is None:
             return None
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights = values[:4]
+        values, event = done
         if handle is None:
-            num_results, num_handle = len(RESULT_FIELDS), len(HANDLE_FIELDS)
-            state = _copy_with(entry.state, STATE_FIELDS, values[num_results + num_handle : -1])
-            handle = _copy_with(entry.handle, HANDLE_FIELDS, values[num_results : num_results + num_handle])
-            handle.backend_state = state
+            handle = _fresh_handle(entry, values)
             handle.num_recv_tokens_per_expert_list = []
-        event = EventOverlap(EventHandle.of(values[-1]))
-        return (
-            (recv_x if recv_scales is None else (recv_x, recv_scales)),
-            recv_topk_idx,
-            recv_topk_weights,
-            handle,
-            event,
-        )
+        return _dispatch_results(values, handle, event)
 
     def _dispatch_synced(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> tuple | None:
         """Replay a CPU-sync dispatch: the first program, the host's wait for the counts (as the Python
@@ -611,27 +623,23 @@ class SteadyPath:
         self.num_calls += 1
         runtime.num_experts_checked = template.num_experts
         runtime.take_input_error()
-        values = [None if s is None else outputs[s] if s >= 0 else inputs[-1 - s] for s in entry.result_sources]
-        num_results, num_handle = len(RESULT_FIELDS), len(HANDLE_FIELDS)
-        state = _copy_with(entry.state, STATE_FIELDS, values[num_results + num_handle :])
+        values = _results(entry, outputs, inputs)
+        handle = _fresh_handle(entry, values)
+        state = handle.backend_state
         state.num_out_rows, state.num_meta_rows, state.num_expanded_rows = num_out_rows, num_recv_tokens, num_expanded
-        handle = _copy_with(template, HANDLE_FIELDS, values[num_results : num_results + num_handle])
-        handle.backend_state = state
         handle.num_recv_tokens, handle.num_expanded_tokens = num_recv_tokens, num_expanded
         handle.num_recv_tokens_per_expert_list = counts_list
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights = values[:num_results]
-        event = EventOverlap(EventHandle.of(outputs[-1]))
-        recv = recv_x if recv_scales is None else (recv_x, recv_scales)
-        return recv, recv_topk_idx, recv_topk_weights, handle, event
+        return _dispatch_results(values, handle, outputs[-1])
 
     def combine(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
                 handle: EPHandle) -> tuple | None:  # fmt: skip
         """Replay a combine: `(combined_x, combined_topk_weights, event)`, or `None` when an input
         differs from the recording."""
-        values = self._run(entry, inputs, previous_event, handle_rows(handle) if handle.do_cpu_sync else ())
-        if values is None:
+        done = self._run(entry, inputs, previous_event, handle_rows(handle) if handle.do_cpu_sync else ())
+        if done is None:
             return None
-        return values[0], values[1], EventOverlap(EventHandle.of(values[2]))
+        (combined_x, combined_topk_weights), event = done
+        return combined_x, combined_topk_weights, EventOverlap(EventHandle.of(event))
 
     @staticmethod
     def dispatch_inputs(x: Any, topk_idx: Any, topk_weights: Any, stats: Any, handle: EPHandle | None) -> tuple:
