@@ -62,13 +62,19 @@ def test_host_bench_refuses_the_options_of_the_bandwidth_tables(tmp_path):
 
 
 def test_host_summary_takes_each_fields_slowest_rank():
-    def row(rank: int, wall: float, gpu: float | None) -> dict:
-        return dict(case=dict(num_tokens=8), op="combine", rank=rank, backend="NvlinkBackend", host_wall_us=wall,
-                    host_cpu_us=wall / 2, eager_wall_us=wall + 1, gpu_us=gpu)  # fmt: skip
+    def row(rank: int, wall: float, gpu: float | None, op: str = "combine", wait: float | None = None) -> dict:
+        return dict(case=dict(num_tokens=8, dtype="bf16", routing="uniform"), op=op, rank=rank, backend="NvlinkBackend", host_wall_us=wall,
+                    host_cpu_us=wall / 2, eager_wall_us=wall + 1, gpu_us=gpu, count_wait_us=wait)  # fmt: skip
 
     (summary,) = host.summarize([[row(0, 5.0, 3.0)], [row(1, 7.0, None)]])
     assert (summary["host_wall_us"], summary["host_cpu_us"], summary["eager_wall_us"]) == (7.0, 3.5, 8.0)
     assert summary["gpu_us"] == 3.0 and summary["host_target_us"] == 20.0 and "rank" not in summary
+    assert summary["count_wait_us"] is None
+    # A CPU-sync dispatch's target follows the slowest rank's wait for its counts (90 us > 52 + 30)
+    (synced,) = host.summarize([[row(0, 90.0, None, "dispatch_cpu_sync", 41.0)],
+                                [row(1, 80.0, None, "dispatch_cpu_sync", 52.0)]])  # fmt: skip
+    assert synced["count_wait_us"] == 52.0 and synced["host_target_us"] == 52.0 + host.CPU_SYNC_TARGET_US
+    assert "82 missed" in host.format_table([synced], "test", False)
 
 
 def test_host_profile_says_where_each_operations_host_time_goes(tmp_path):

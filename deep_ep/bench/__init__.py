@@ -54,5 +54,7 @@ HOST_COLUMNS = """columns (--host):
   host CPU us: the calling thread's CPU time over that span (virtual ranks: waits for the interpreter left out)
   eager wall us: the call, then a wait until its stream is idle
   GPU us: device time per call from CUDA-graph replays (n/a: a dispatch with CPU sync, or no GPU)
-  target us: issue 19's host-time targets on one H200: fresh dispatch without CPU sync 30, cached and combine 20
+  count wait us: a CPU-sync dispatch's wait on the host for its counts (the kernel's launch and count phase)
+  target us: issue 19's host-time targets on one H200: fresh dispatch without CPU sync 30, cached and combine 20,
+    CPU-sync dispatch its count wait + 30
 several ranks: every time is the slowest rank's median"""

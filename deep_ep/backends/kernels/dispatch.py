@@ -263,7 +263,7 @@ def run_dispatch(
                                                            num_max_tokens_per_rank, num_local_experts, arrival_slots,
                                                            op_hash)  # fmt: skip
             runtime.wait_counts(stream, counts_sequence)
-            counts = runtime.host_counts[:num_words].tolist()
+            counts = runtime.read_counts(num_words)
             if counts[-1]:
                 # Our routing was rejected on the device (nothing sent), but peers sent us theirs
                 _drain_dispatch(runtime, epilogue_kernel, stream, num_max_tokens_per_rank, num_local_experts,

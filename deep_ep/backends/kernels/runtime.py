@@ -240,7 +240,13 @@ class NvlinkRuntime:
         self.host_counts = torch.zeros(num_count_words, dtype=torch.int32, pin_memory=True)
         self.counts_ready = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._counts_ready_word = ctypes.c_uint64.from_address(self.counts_ready.data_ptr())
+        self._count_words = (ctypes.c_int32 * num_count_words).from_address(self.host_counts.data_ptr())
         self._counts_sequence = 0
+        # The host's waits for counts so far, and their nanoseconds (the bench's count phase as the
+        # host sees it: the kernel's launch latency and its count exchange)
+        self.num_counts_waits = 0
+        self.counts_wait_ns = 0
+        self._counts_launched: torch.cuda.Event | None = None  # one event, recorded by every wait
         self.dispatch_scratch = torch.zeros(DISPATCH_SCRATCH_INTS, dtype=torch.int32, device="cuda")
         self._expand_scratch: torch.Tensor | None = None
         # What a failing rank posts to its peers, and the stream it posts on; made before the windows
@@ -450,10 +456,25 @@ class NvlinkRuntime:
         """
         if self.recorder is not None:
             self.recorder.waiting_for_counts()
+        started_ns = time.perf_counter_ns()
+        try:
+            self._wait_counts(stream, sequence)
+        finally:
+            self.num_counts_waits += 1
+            self.counts_wait_ns += time.perf_counter_ns() - started_ns
+
+    def read_counts(self, num_words: int) -> list[int]:
+        """The first `num_words` words of `host_counts` (read in place: a tensor's `tolist` costs
+        microseconds)."""
+        return self._count_words[:num_words]
+
+    def _wait_counts(self, stream: torch.cuda.Stream, sequence: int) -> None:
         ready = self._counts_ready_word
         if ready.value == sequence:
             return
-        launched = torch.cuda.Event()
+        if self._counts_launched is None:
+            self._counts_launched = torch.cuda.Event()
+        launched = self._counts_launched
         launched.record(stream)
         started = time.monotonic()
         num_polls = 0

@@ -410,21 +410,26 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     }
     clock.mark(1);
 
-    // Allocations come from the communication stream's pool (the Python path allocates with it
-    // current), so it is made current for them
-    c10::Stream previous = impl->exchangeStream(comm);
+    // V2's rule: the outputs come from the caller's stream's pool, the communication stream's only
+    // with `allocate_on_comm_stream`. A block of the caller's pool needs no `record_stream` in a
+    // synchronous call (the caller's stream waits for the end event before any later use), and a
+    // `record_stream` is what makes the caching allocator expensive: an event recorded when the block
+    // is freed, queried at every later allocation until it completes
     c10::Device previous_device = impl->exchangeDevice(device);
+    c10::Stream previous = program.allocate_on_comm_stream ? impl->exchangeStream(comm) : compute;
     std::vector<at::Tensor> allocs;
     std::vector<c10::Storage> storages;  // what the caching allocator handed out
+    auto restore = [&] {
+        if (program.allocate_on_comm_stream) impl->exchangeStream(previous);
+        impl->exchangeDevice(previous_device);
+    };
     try {
         allocs = allocate(program, values, storages);
     } catch (...) {
-        impl->exchangeStream(previous);
-        impl->exchangeDevice(previous_device);
+        restore();
         throw;
     }
-    impl->exchangeStream(previous);
-    impl->exchangeDevice(previous_device);
+    restore();
     clock.mark(2);
 
     for (size_t i = 0; i < allocs.size(); ++i) {
@@ -474,14 +479,15 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
 
     clock.mark(3);
 
-    // V2's epilogue of the stream choreography (deep_ep.event.CommStreamScope.finish). Allocations
-    // are recorded on the streams that free them safely in each part; the end event, the compute
-    // stream's wait and the inputs' records come with the last part
+    // V2's epilogue of the stream choreography. An asynchronous call's allocations are recorded on
+    // both streams (the allocator ignores the one it allocated on), each part its own; the end event,
+    // the compute stream's wait and the inputs' records come with the last part
     bool async = program.async_with_compute_stream;
-    if (async || !program.allocate_on_comm_stream)
-        for (const c10::Storage& storage : storages) impl->recordDataPtrOnStream(storage.data_ptr(), compute);
     if (async)
-        for (const c10::Storage& storage : storages) impl->recordDataPtrOnStream(storage.data_ptr(), comm);
+        for (const c10::Storage& storage : storages) {
+            impl->recordDataPtrOnStream(storage.data_ptr(), compute);
+            impl->recordDataPtrOnStream(storage.data_ptr(), comm);
+        }
     if (end_event != nullptr) {
         end_event->record(comm);
         if (async && program.record_inputs)

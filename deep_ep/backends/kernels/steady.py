@@ -598,7 +598,7 @@ class SteadyPath:
         rejected = False
         try:
             runtime.wait_counts(self.comm_stream, sequence)
-            counts = runtime.host_counts[: num_ranks + template.num_experts // num_ranks + 1].tolist()
+            counts = runtime.read_counts(num_ranks + template.num_experts // num_ranks + 1)
             if counts[-1]:  # our routing was rejected on the device (nothing sent), but peers sent us theirs
                 entry.drain()
                 rejected = True
