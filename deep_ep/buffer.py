@@ -420,17 +420,21 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
     def _run(self, op: str, call: Callable[[], Any]) -> Any:
         try:
             return call()
-        except EPTimeoutError as error:
-            self._failure = str(error)
-            raise
         except BaseException as error:
-            if self.backend is not None:
-                if not isinstance(error, EPError):  # a device fault is every rank's already
-                    self.backend.fail(op, error)
-                # An error that left the backend half-way through an operation makes it unusable
-                if self.backend.dead_reason is not None:
-                    self._failure = self.backend.dead_reason
+            self._failed(op, error)
             raise
+
+    def _failed(self, op: str, error: BaseException) -> None:
+        """Note `error`, raised inside `op`'s backend call: a timeout or an operation left half-way
+        fails the buffer."""
+        if isinstance(error, EPTimeoutError):
+            self._failure = str(error)
+        elif self.backend is not None:
+            if not isinstance(error, EPError):  # a device fault is every rank's already
+                self.backend.fail(op, error)
+            # An error that left the backend half-way through an operation makes it unusable
+            if self.backend.dead_reason is not None:
+                self._failure = self.backend.dead_reason
 
     def _recorded(self, call: Callable[[], Any], key: tuple | None) -> tuple[Any, Any]:
         """`call()` (the backend's dispatch or combine) and the steady path's recording of it, made
@@ -744,7 +748,11 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             entry = steady.entries.get(key) if key is not None else None
             if entry is not None and self._failure is None and not self._agrs.engine_open:
                 inputs = steady.dispatch_inputs(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle)
-                done = self._run("dispatch", lambda: steady.dispatch(entry, inputs, previous_event, handle))
+                try:  # `_run`, written out: its closure costs the host a microsecond on every call
+                    done = steady.dispatch(entry, inputs, previous_event, handle)
+                except BaseException as error:
+                    self._failed("dispatch", error)
+                    raise
                 if done is not None:
                     return done
         backend = self._live_backend("dispatch")
@@ -886,7 +894,11 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             entry = steady.entries.get(key) if key is not None else None
             if entry is not None and self._failure is None and not self._agrs.engine_open:
                 inputs = steady.combine_inputs(x, handle, topk_weights, bias)
-                done = self._run("combine", lambda: steady.combine(entry, inputs, previous_event, handle))
+                try:  # `_run`, written out (see dispatch)
+                    done = steady.combine(entry, inputs, previous_event, handle)
+                except BaseException as error:
+                    self._failed("combine", error)
+                    raise
                 if done is not None:
                     return done
         backend = self._live_backend("combine")

@@ -62,6 +62,8 @@ from .transport import Transport
 _SPIN_S = 0.05
 # The error block words of an input error (`report_input_error` in fault.cuh)
 _INPUT_WORDS = slice(ERROR_WORDS.index("input_status"), len(ERROR_WORDS))
+# The word of `error_words` that is non-zero once a dispatch found an invalid `topk_idx` on the device
+INPUT_ERROR_WORD = _INPUT_WORDS.start
 _OP_MISMATCH_PHASE = 8
 # Hybrid mode: a dispatch's waits on what a source of another node sends (its counts and records reach
 # us through its forwarder)
@@ -231,7 +233,7 @@ class NvlinkRuntime:
         self.error_block = torch.zeros(len(ERROR_WORDS), dtype=torch.int64, pin_memory=True)
         # The same words read in place: every call reads two of them, and indexing the tensor costs
         # microseconds (the block is pinned, so the device's writes land there)
-        self._error_words = (ctypes.c_int64 * len(ERROR_WORDS)).from_address(self.error_block.data_ptr())
+        self.error_words = (ctypes.c_int64 * len(ERROR_WORDS)).from_address(self.error_block.data_ptr())
         # Received counts per source rank, then per local expert, then the invalid-input flag: a
         # CPU-sync dispatch kernel writes them into pinned (mapped) host memory as soon as it has them,
         # then sets the ready word to that dispatch's sequence number, which the host polls
@@ -341,7 +343,7 @@ class NvlinkRuntime:
         """Raise if this buffer failed: `EPTimeoutError` for a device wait that expired here or on a
         peer, `EPOperationMismatchError` when the ranks ran different operations, `EPError` after an
         exception between two launches of one operation."""
-        if self.dead_reason is None and self._error_words[0] != 0:
+        if self.dead_reason is None and self.error_words[0] != 0:
             words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=True))
             if words["phase"] == HOST_ERROR_PHASE:
                 self.dead_reason = describe_host_error(words["rank"], self._peer_message(words["rank"]))
@@ -357,7 +359,7 @@ class NvlinkRuntime:
         """Raise the `ValueError` of an invalid `topk_idx` that an earlier dispatch found on the
         device (once; the buffer stays usable: that dispatch sent nothing). Called at the end of a
         call, once its own work is enqueued: raising before it would leave the peers waiting."""
-        if self._error_words[_INPUT_WORDS.start] == 0:
+        if self.error_words[INPUT_ERROR_WORD] == 0:
             return
         words = dict(zip(ERROR_WORDS, self.error_block.tolist(), strict=True))
         self.error_block[_INPUT_WORDS] = 0
@@ -480,7 +482,7 @@ class NvlinkRuntime:
         num_polls = 0
         while ready.value != sequence:
             num_polls += 1
-            if self._error_words[0] != 0 or (num_polls % 64 == 0 and launched.query() and ready.value != sequence):
+            if self.error_words[0] != 0 or (num_polls % 64 == 0 and launched.query() and ready.value != sequence):
                 break  # a fault, or the kernel is done without its counts
             elapsed = time.monotonic() - started
             if elapsed > self.cpu_timeout_s:

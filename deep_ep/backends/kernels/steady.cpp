@@ -147,6 +147,31 @@ struct EventObject {
 PyTypeObject EventType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 PyTypeObject ProgramType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// End events whose Python object died, per device, to record again: creating and destroying a CUDA
+// event costs the host microseconds per call. Nobody waits on a dead object's event, so recording it
+// anew is safe even before its last record completed. Touched only with the GIL held.
+constexpr size_t kMaxSpareEvents = 64;
+std::vector<std::pair<c10::DeviceIndex, std::unique_ptr<c10::Event>>> spare_events;
+
+std::unique_ptr<c10::Event> take_event(c10::DeviceIndex device_index) {
+    for (auto it = spare_events.rbegin(); it != spare_events.rend(); ++it)
+        if (it->first == device_index) {
+            std::unique_ptr<c10::Event> event = std::move(it->second);
+            spare_events.erase(std::next(it).base());
+            return event;
+        }
+    return std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+}
+
+void give_back_event(c10::Event* event) {
+    // An event never recorded has no device yet: nothing to keep
+    if (event->device_index() < 0 || spare_events.size() >= kMaxSpareEvents) {
+        delete event;
+        return;
+    }
+    spare_events.emplace_back(event->device_index(), std::unique_ptr<c10::Event>(event));
+}
+
 // ------------------------------------------------------------------------- description parsing
 
 struct ParseError {
@@ -566,7 +591,7 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
     std::string failure;
     bool declined = false;  // a capture, or a stream torch cannot name
     std::unique_ptr<c10::Event> end_event;
-    if (program.ends) end_event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    if (program.ends) end_event = take_event(program.device_index);
     PyThreadState* saved = PyEval_SaveThread();  // the launches may block: other virtual ranks go on
     try {
         // A capture takes the Python path, whose every step is capture-safe (the events above are
@@ -735,7 +760,7 @@ PyObject* event_cuda_event(PyObject* self, void*) {
 }
 
 void event_dealloc(PyObject* self) {
-    delete reinterpret_cast<EventObject*>(self)->event;
+    give_back_event(reinterpret_cast<EventObject*>(self)->event);
     PyObject_Free(self);
 }
 

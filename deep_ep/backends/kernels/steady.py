@@ -56,7 +56,7 @@ from deep_ep.jit import JITCompileError, param_bytes
 
 from . import specs
 from .dispatch import raise_rejected_routing
-from .runtime import NvlinkRuntime, track_pointers
+from .runtime import INPUT_ERROR_WORD, NvlinkRuntime, track_pointers
 
 SOURCE = Path(__file__).with_name("steady.cpp")
 # Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
@@ -551,9 +551,13 @@ class SteadyPath:
              values: tuple = ()) -> tuple[list, Any] | None:  # fmt: skip
         """The results (`Entry.result_sources`) and end event of one run of `entry.program`, or `None`
         when it refused the inputs."""
-        runtime = self.runtime
-        runtime.check_error()
-        outputs = entry.program.run(inputs, previous_event_handle(previous_event), values)
+        runtime, words = self.runtime, self.runtime.error_words
+        # The runtime's checks, called only when their words say there is something to raise (a call
+        # costs the host more than a read)
+        if words[0] or runtime.dead_reason is not None:
+            runtime.check_error()
+        outputs = entry.program.run(inputs, None if previous_event is None else previous_event_handle(previous_event),
+                                    values)  # fmt: skip
         if outputs is None:
             self.num_refused += 1
             return None
@@ -561,7 +565,8 @@ class SteadyPath:
         if entry.handle is not None:  # a fresh dispatch: its routing is checked on the device
             runtime.num_experts_checked = entry.handle.num_experts
         # An invalid `topk_idx` an earlier dispatch found on the device, raised once this call is enqueued
-        runtime.take_input_error()
+        if words[INPUT_ERROR_WORD]:
+            runtime.take_input_error()
         return _results(entry, outputs, inputs), outputs[-1]
 
     def dispatch(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
