@@ -62,6 +62,7 @@ SOURCE = Path(__file__).with_name("steady.cpp")
 # Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
 MAX_PROGRAMS = 64
 ENV_SWITCH = "EP_STEADY"
+GRAPHS_SWITCH = "EP_STEADY_GRAPHS"
 # The phases of a replay whose host nanoseconds a program sums (`Program.phase_ns`, steady.cpp)
 PHASES = ("checks", "stream wait", "allocations", "launches", "end event and record_stream", "outputs to Python")
 
@@ -90,6 +91,12 @@ def steady_module() -> tuple[ModuleType | None, str | None]:
 def steady_enabled() -> bool:
     """Whether new buffers take the steady path (`EP_STEADY`, default on)."""
     return os.environ.get(ENV_SWITCH, "1") not in ("", "0")
+
+
+def graphs_enabled() -> bool:
+    """Whether new programs launch their operations as one CUDA graph (`EP_STEADY_GRAPHS`, default
+    on; off, each is its own driver launch, as on the Python path)."""
+    return os.environ.get(GRAPHS_SWITCH, "1") not in ("", "0")
 
 
 class Recorder:
@@ -280,7 +287,7 @@ def describe_program(
         comm_stream.device_index,
         (comm_stream.stream_id, comm_stream.device_index, comm_stream.device_type, comm_stream.cuda_stream),
         async_with_compute_stream, allocate_on_comm_stream, not avoid_record_stream(), input_specs, tuple(allocs),
-        tuple(outputs), tuple(launches), part.begins, part.ends, len(part.values),
+        tuple(outputs), tuple(launches), part.begins, part.ends, len(part.values), graphs_enabled(),
     )  # fmt: skip
     return description, tuple(result_sources), keep
 
