@@ -35,6 +35,8 @@ def test_host_bench_on_cpu_ranks_times_every_operation_and_writes_json(tmp_path)
         assert row["eager_wall_us"] == max(r["eager_wall_us"] for r in mine)
         for r in mine:
             assert r["eager_wall_us"] >= r["host_wall_us"] and r["host_cpu_us"] <= r["host_wall_us"] * 1.01
+            # Dropping the results is timed apart from the call, and inside its eager wall
+            assert 0 <= r["release_us"] <= r["eager_wall_us"]
         assert row["gpu_us"] is None  # no GPU
     assert all(r["host_target_us"] is None for r in rows)  # the targets are the kernels'
     for text in (
@@ -64,7 +66,7 @@ def test_host_bench_refuses_the_options_of_the_bandwidth_tables(tmp_path):
 def test_host_summary_takes_each_fields_slowest_rank():
     def row(rank: int, wall: float, gpu: float | None, op: str = "combine", wait: float | None = None) -> dict:
         return dict(case=dict(num_tokens=8, dtype="bf16", routing="uniform"), op=op, rank=rank, backend="NvlinkBackend", host_wall_us=wall,
-                    host_cpu_us=wall / 2, eager_wall_us=wall + 1, gpu_us=gpu, count_wait_us=wait)  # fmt: skip
+                    host_cpu_us=wall / 2, eager_wall_us=wall + 1, release_us=1.0, gpu_us=gpu, count_wait_us=wait)  # fmt: skip
 
     (summary,) = host.summarize([[row(0, 5.0, 3.0)], [row(1, 7.0, None)]])
     assert (summary["host_wall_us"], summary["host_cpu_us"], summary["eager_wall_us"]) == (7.0, 3.5, 8.0)

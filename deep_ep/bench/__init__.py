@@ -53,6 +53,7 @@ HOST_COLUMNS = """columns (--host):
   host wall us: the call's wall time from entry to return, on a drained stream (no GPU wait unless the call waits)
   host CPU us: the calling thread's CPU time over that span (virtual ranks: waits for the interpreter left out)
   eager wall us: the call, then a wait until its stream is idle
+  release us: dropping the call's results right after it returned (frees; the caller's time, not in host wall)
   GPU us: device time per call from CUDA-graph replays (n/a: a dispatch with CPU sync, or no GPU)
   count wait us: a CPU-sync dispatch's wait on the host for its counts (the kernel's launch and count phase)
   target us: issue 19's host-time targets on one H200: fresh dispatch without CPU sync 30, cached and combine 20,

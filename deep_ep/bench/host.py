@@ -9,6 +9,8 @@ never waits behind a full queue and the host time is the call's own:
   waits (the CPU-sync dispatch waits for the counts);
 - host CPU: the calling thread's CPU time over the same span. With virtual ranks, threads of one
   process take turns in the interpreter; a turn spent waiting is wall time, not CPU time;
+- release: the host time to drop the call's results right after it returned (freeing the outputs
+  and the event: the caller's cost, later; before session 23 it was counted in the host wall);
 - eager wall: the call, then a wait until its stream is idle (what an eager caller sees);
 - GPU: the device time per call from CUDA-graph replays (GPUs; a CPU-sync dispatch cannot be
   captured, so it has none).
@@ -38,7 +40,7 @@ from .cases import BenchCase, BenchConfig, make_inputs, random_rows
 HOST_OPS = ("dispatch_no_sync", "dispatch_cpu_sync", "cached_dispatch", "combine")
 # The graph operation (deep_ep.bench.runner.capture_moe_ops) that times each host operation on the GPU
 GRAPH_OPS = {"dispatch_no_sync": "dispatch", "cached_dispatch": "cached_dispatch", "combine": "combine"}
-HOST_FIELDS = ("host_wall_us", "host_cpu_us", "eager_wall_us", "gpu_us", "count_wait_us")
+HOST_FIELDS = ("host_wall_us", "host_cpu_us", "eager_wall_us", "release_us", "gpu_us", "count_wait_us")
 # The host-time targets of issue 19 on one H200 (benchmark targets: reported, never asserted); a
 # CPU-sync dispatch's is its count phase (the host's wait for the counts) plus this
 HOST_TARGETS_US = {"dispatch_no_sync": 30.0, "cached_dispatch": 20.0, "combine": 20.0}
@@ -57,19 +59,22 @@ def _time_call(call: Callable[[], Any], align: Callable[[], None], drain: Callab
     for _ in range(num_warmups):
         align()
         call()
-    walls, cpus, eagers = [], [], []
+    walls, cpus, eagers, releases = [], [], [], []
     for _ in range(num_iters):
         align()
         started, cpu_started = time.perf_counter_ns(), time.thread_time_ns()
-        call()
+        result = call()
         cpu_done, returned = time.thread_time_ns(), time.perf_counter_ns()
+        del result  # the caller's, after the call: timed on its own
+        released = time.perf_counter_ns()
         drain()
         drained = time.perf_counter_ns()
         walls.append(returned - started)
         cpus.append(cpu_done - cpu_started)
+        releases.append(released - returned)
         eagers.append(drained - started)
     return dict(host_wall_us=statistics.median(walls) / 1e3, host_cpu_us=statistics.median(cpus) / 1e3,
-                eager_wall_us=statistics.median(eagers) / 1e3)  # fmt: skip
+                eager_wall_us=statistics.median(eagers) / 1e3, release_us=statistics.median(releases) / 1e3)  # fmt: skip
 
 
 def _soak(call: Callable[[], Any], align: Callable[[], None], drain: Callable[[], None], num_calls: int,
@@ -259,7 +264,7 @@ def format_table(rows: list[dict], hardware: str, virtual_ranks: bool) -> str:
         lines.append("")
     lines.append(f"host cost per call ({hardware}; slowest rank's median):")
     header = (f"{'T':>6} {'dtype':>5} {'routing':>10} {'operation':>18} | {'host wall us':>12} {'host CPU us':>11} "
-              f"{'eager wall us':>13} {'GPU us':>8} {'count wait us':>13} | {'target us':>13}")  # fmt: skip
+              f"{'eager wall us':>13} {'release us':>10} {'GPU us':>8} {'count wait us':>13} | {'target us':>13}")  # fmt: skip
     lines += [header, "-" * len(header)]
     for r in rows:
         c = r["case"]
@@ -267,6 +272,7 @@ def format_table(rows: list[dict], hardware: str, virtual_ranks: bool) -> str:
         verdict = "" if target is None else f"{target:.0f} {'met' if r['host_wall_us'] <= target else 'missed'}"
         lines.append(f"{c['num_tokens']:>6} {c['dtype']:>5} {c['routing']:>10} {r['op']:>18} | "
                      f"{_us(r['host_wall_us']):>12} {_us(r['host_cpu_us']):>11} {_us(r['eager_wall_us']):>13} "
+                     f"{_us(r['release_us']):>10} "
                      f"{_us(r['gpu_us']):>8} {_us(r['count_wait_us']):>13} | {verdict:>13}")  # fmt: skip
     lines.append("")
     lines.append(HOST_COLUMNS)

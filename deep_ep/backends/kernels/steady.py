@@ -28,14 +28,16 @@ What stays on the Python path: CPU-sync dispatches with column-major scales (the
 follows the counts), cached dispatches that update `cumulative_local_expert_recv_stats`, calls with
 `previous_event_before_epilogue`, calls inside a CUDA graph capture, buffers with rank masking, hybrid
 mode or peers outside the scale-up domain, outputs with guard bytes (`LoopbackWorld(guard_bytes=)`)
-and `EP_CHECK_VALUES=1`. `EP_STEADY=0` turns the steady path off for new buffers.
+and `EP_CHECK_VALUES=1`. `EP_STEADY=0` turns the steady path off for new buffers;
+`EP_STEADY_GRAPHS=0` makes new programs launch each operation directly instead of as one CUDA graph.
 `EP_AVOID_RECORD_STREAM` is read when a shape is recorded.
 
-Memory: the steady path allocates what the Python path does, from torch's CUDA caching allocator with
-the communication stream current (no pool of its own: a freed output's block is the allocator's to
-reuse, and 10,000 calls of each operation leave the allocated bytes unchanged); the tensors a
-handle keeps (slots, counts, metadata, its copy of `topk_idx`) share one allocation per call. A
-program keeps alive only the runtime's own scratch tensors it points at.
+Memory: the steady path allocates what the Python path does, from torch's CUDA caching allocator as
+V2 does (the compute stream's pool unless `allocate_on_comm_stream`, `record_stream` only in
+asynchronous calls; no pool of its own: a freed output's block is the allocator's to reuse, and
+10,000 calls of each operation leave the allocated bytes unchanged); the tensors a handle keeps
+(slots, counts, metadata, its copy of `topk_idx`) share one allocation per call. A program keeps
+alive only the runtime's own scratch tensors it points at.
 """
 
 from __future__ import annotations
