@@ -385,6 +385,11 @@ Program* parse_program(PyObject* d) {
     program->ends = PyObject_IsTrue(item(d, 10, "description"));
     program->num_values = static_cast<size_t>(as_long(item(d, 11, "description"), "num_values"));
     program->graph.wanted = PyObject_IsTrue(item(d, 12, "description")) == 1;
+    // A cooperative launch (a fresh dispatch's grid barrier) stays a direct launch: the barrier needs
+    // the driver's guarantee that every CTA is resident at once, and as a graph node on a GPU that
+    // virtual ranks crowd it did not get it (EP8 on one H200 hung: bench/NOTES.md, session 23)
+    for (const Launch& launch : program->launches)
+        if (launch.cooperative) program->graph.wanted = false;
     auto check_values = [&](const std::vector<int64_t>& dims) {
         for (int64_t dim : dims)
             if (dim < 0 && static_cast<size_t>(-1 - dim) >= program->num_values)
@@ -618,7 +623,8 @@ bool build_graph(Program& program, Operations& operations) {
 
 // Launch this call's operations as the program's graph (made at its first run), each node updated
 // with this call's addresses, values and grids; false when the program launches directly (one
-// operation, no graph wanted, or none could be made or updated: nothing was launched then)
+// operation, a cooperative launch, no graph wanted, or none could be made or updated: nothing was
+// launched then)
 bool launch_graph(Program& program, const std::vector<Copy>& copies, std::vector<Configured>& launches) {
     const GraphDriver& g = driver().graph;
     Graph& graph = program.graph;
