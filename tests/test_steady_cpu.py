@@ -123,7 +123,7 @@ def test_the_compiled_program_checks_its_description_and_its_inputs():
     with pytest.raises(ValueError, match="too short"):
         module.Program(description[:5])
     # With nothing to check the program reaches the driver, which this machine may not have
-    empty = (0, description[1], False, False, True, (), (), (), (), True, True, 0, True)
+    empty = (0, description[1], False, False, True, (), (), (), (), True, True, 0)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="libcuda"):
             module.Program(empty).run((), None, ())
@@ -152,7 +152,7 @@ def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
     built = describe_program([scratch], stream, recorder, [x], [slots], {}, False, False, first)
     assert not isinstance(built, str), built
     description = built[0]
-    assert description[6] == ((torch.int32, (4,), (1,), -1, False),) and description[9:12] == (True, False, 1)
+    assert description[6] == ((torch.int32, (4,), (1,), -1, False),) and description[9:] == (True, False, 1)
     assert description[8][0][7] == ((0, _Args.n.offset, 4, 0),)
     second = Part(allocs=slice(1, None), launches=slice(1, None), begins=False, values=("out", "grid"), rows=("out",),
                   fields={1: ((0, _Args.n.offset, 4, "out"),)}, grids={1: "grid"})  # fmt: skip
@@ -165,7 +165,7 @@ def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
     (_, grid, _, _, pdl, _, patches, fields) = description[8][0]
     assert grid == (-2, 1, 1) and pdl and fields == ((0, _Args.n.offset, 4, 0),)
     assert patches == ((0, _Args.x.offset, 1), (0, _Args.out.offset, -1), (0, _Args.scratch.offset, -2))
-    assert sources == (0, 1, -2) and description[9:12] == (False, True, 2)
+    assert sources == (0, 1, -2) and description[9:] == (False, True, 2)
     module, reason = steady_module()
     assert module is not None, reason
     program = module.Program(description)

@@ -66,10 +66,8 @@ def _steady_rank(rank: int, group: dist.ProcessGroup, case: dict, seed: int) -> 
         steady = kernels._steady
         if steady is None:
             return {"steady": False, "calls": 0}
-        programs = [p for e in steady.entries.values() if e is not None for p in (e.program, e.first) if p is not None]
         return {"steady": True, "calls": steady.num_calls, "refused": steady.num_refused,
-                "declined": sorted({f"{key[0]}: {reason}" for key, reason in steady.declined.items()}),
-                "graphs": [(p.uses_graph, p.graph_problem) for p in programs]}  # fmt: skip
+                "declined": sorted({f"{key[0]}: {reason}" for key, reason in steady.declined.items()})}  # fmt: skip
     finally:
         for pair in buffers.values():
             for buffer in pair:
@@ -77,21 +75,7 @@ def _steady_rank(rank: int, group: dist.ProcessGroup, case: dict, seed: int) -> 
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_replayed_calls_are_bitwise_equal_to_the_reference(name, monkeypatch):
-    monkeypatch.delenv("EP_STEADY_GRAPHS", raising=False)
-    _check_replays(name, graphs=False)
-
-
-# Not the EP8 case: with graphs it times out on one GPU (why is not known yet; bench/NOTES.md, session 23)
-@pytest.mark.parametrize("name", ["ep2-bf16-bias2", "ep4-fp8-expand-async", "ep4-fp8-cpu-sync-expand"])
-def test_replays_as_graphs_are_bitwise_equal(name, monkeypatch):
-    monkeypatch.setenv("EP_STEADY_GRAPHS", "1")
-    _check_replays(name, graphs=True)
-
-
-def _check_replays(name: str, graphs: bool) -> None:
-    """Replays of case `name` are bitwise equal to the reference; their programs of two operations
-    or more without a cooperative launch launch one CUDA graph each (`graphs`), or none does."""
+def test_replayed_calls_are_bitwise_equal_to_the_reference(name):
     from deep_ep.jit import compile_many
     from sweep import kernel_specs
 
@@ -108,10 +92,6 @@ def _check_replays(name: str, graphs: bool) -> None:
     expected = (NUM_ITERS - 1) * 3
     assert all(o["steady"] for o in outcomes), outcomes
     assert [o["calls"] for o in outcomes] == [expected] * num_ranks, (outcomes, seed)
-    # Every case has programs of several operations (a dispatch and its epilogue at least); none
-    # failed to make or update its graph
-    made = [g for o in outcomes for g in o["graphs"]]
-    assert all(problem is None for _, problem in made) and any(used for used, _ in made) == graphs, made
     print(f"\nsteady {name}: seed {seed}, {expected} replayed calls per rank, bitwise equal")
 
 

@@ -36,47 +36,14 @@ namespace {
 
 // ----------------------------------------------------------------------------------- the driver
 
-// The graph calls a replay makes, with their signatures spelled out: the versioned symbols are the
-// same in every CUDA 12 and 13 driver, whatever names this build's cuda.h maps them to
-struct GraphDriver {
-    CUresult (*create_stream)(CUstream*, unsigned) = nullptr;
-    CUresult (*destroy_stream)(CUstream) = nullptr;
-    CUresult (*begin_capture)(CUstream, CUstreamCaptureMode) = nullptr;
-    CUresult (*end_capture)(CUstream, CUgraph*) = nullptr;
-    // v3 (CUDA 12.3+) names the edges too; v2 refuses a query whose edges are not all default
-    CUresult (*capture_info_v3)(CUstream, CUstreamCaptureStatus*, cuuint64_t*, CUgraph*, const CUgraphNode**,
-                                const void**, size_t*) = nullptr;
-    CUresult (*capture_info_v2)(CUstream, CUstreamCaptureStatus*, cuuint64_t*, CUgraph*, const CUgraphNode**,
-                                size_t*) = nullptr;
-    CUresult (*instantiate)(CUgraphExec*, CUgraph, unsigned long long) = nullptr;
-    CUresult (*set_kernel)(CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS_v2*) = nullptr;
-    CUresult (*set_copy)(CUgraphExec, CUgraphNode, const CUDA_MEMCPY3D*, CUcontext) = nullptr;
-    CUresult (*launch)(CUgraphExec, CUstream) = nullptr;
-    CUresult (*destroy_graph)(CUgraph) = nullptr;
-    CUresult (*destroy_exec)(CUgraphExec) = nullptr;
-    CUresult (*current_context)(CUcontext*) = nullptr;
-    CUresult (*get_copy)(CUgraphNode, CUDA_MEMCPY3D*) = nullptr;
-    bool complete() const {
-        return create_stream && destroy_stream && begin_capture && end_capture &&
-               (capture_info_v3 || capture_info_v2) && instantiate && set_kernel && set_copy && launch &&
-               destroy_graph && destroy_exec && current_context && get_copy;
-    }
-};
-
 struct Driver {
     decltype(&cuLaunchKernelEx) launch = nullptr;
     decltype(&cuMemcpyDtoDAsync) copy = nullptr;
     decltype(&cuStreamWaitEvent) wait_event = nullptr;
     decltype(&cuStreamIsCapturing) is_capturing = nullptr;
     decltype(&cuGetErrorString) error_string = nullptr;
-    GraphDriver graph;
     std::string problem;
 };
-
-template <typename Function>
-void load_symbol(void* lib, Function& function, const char* name) {
-    function = reinterpret_cast<Function>(dlsym(lib, name));
-}
 
 const Driver& driver() {
     static const Driver loaded = [] {
@@ -92,21 +59,6 @@ const Driver& driver() {
         d.wait_event = reinterpret_cast<decltype(d.wait_event)>(dlsym(lib, "cuStreamWaitEvent"));
         d.is_capturing = reinterpret_cast<decltype(d.is_capturing)>(dlsym(lib, "cuStreamIsCapturing"));
         d.error_string = reinterpret_cast<decltype(d.error_string)>(dlsym(lib, "cuGetErrorString"));
-        GraphDriver& g = d.graph;
-        load_symbol(lib, g.create_stream, "cuStreamCreate");
-        load_symbol(lib, g.destroy_stream, "cuStreamDestroy_v2");
-        load_symbol(lib, g.begin_capture, "cuStreamBeginCapture_v2");
-        load_symbol(lib, g.end_capture, "cuStreamEndCapture");
-        load_symbol(lib, g.capture_info_v3, "cuStreamGetCaptureInfo_v3");
-        load_symbol(lib, g.capture_info_v2, "cuStreamGetCaptureInfo_v2");
-        load_symbol(lib, g.instantiate, "cuGraphInstantiateWithFlags");
-        load_symbol(lib, g.set_kernel, "cuGraphExecKernelNodeSetParams_v2");
-        load_symbol(lib, g.set_copy, "cuGraphExecMemcpyNodeSetParams");
-        load_symbol(lib, g.launch, "cuGraphLaunch");
-        load_symbol(lib, g.destroy_graph, "cuGraphDestroy");
-        load_symbol(lib, g.destroy_exec, "cuGraphExecDestroy");
-        load_symbol(lib, g.current_context, "cuCtxGetCurrent");
-        load_symbol(lib, g.get_copy, "cuGraphMemcpyNodeGetParams");
         if (!d.launch || !d.copy || !d.wait_event || !d.is_capturing || !d.error_string)
             d.problem =
                 "libcuda.so.1 lacks cuLaunchKernelEx, cuMemcpyDtoDAsync_v2, cuStreamWaitEvent or cuStreamIsCapturing";
@@ -166,22 +118,6 @@ struct Launch {
     std::vector<ValuePatch> value_patches;
 };
 
-// A program's operations (its clones' copies, then its launches) as one CUDA graph, updated in
-// place and launched with one call: each launch through the driver costs the host ~5 us on our
-// GPU machine, a graph of two kernels with both updated ~4 us (bench/NOTES.md, session 23). Made at
-// the program's first run, by capturing that run's operations on a stream of its own.
-struct Graph {
-    bool wanted = true;   // the description's choice; cleared when a graph cannot be made
-    std::string problem;  // why there is none
-    CUgraph graph = nullptr;
-    CUgraphExec exec = nullptr;
-    CUcontext context = nullptr;
-    std::vector<CUgraphNode> nodes;          // per operation, in order
-    std::vector<CUDA_MEMCPY3D> copy_params;  // per copy, as captured (each call sets its addresses)
-
-    ~Graph();
-};
-
 struct Program {
     c10::DeviceIndex device_index;
     c10::Stream comm_stream;
@@ -196,16 +132,9 @@ struct Program {
     bool begins = true, ends = true;
     size_t num_values = 0;
     std::optional<c10::Event> compute_ready;  // the compute stream's point the comm stream waits for
-    Graph graph;
     uint64_t num_runs = 0;
     std::array<uint64_t, kNumPhases> phase_ns{};
 };
-
-Graph::~Graph() {
-    const GraphDriver& g = driver().graph;
-    if (exec != nullptr) g.destroy_exec(exec);  // one still running is freed when it completes
-    if (graph != nullptr) g.destroy_graph(graph);
-}
 
 struct ProgramObject {
     PyObject_HEAD Program* program;
@@ -282,9 +211,9 @@ std::vector<char> as_bytes(PyObject* obj, const char* what) {
     return std::vector<char>(data, data + PyBytes_GET_SIZE(obj));
 }
 
-// (device_index, (stream_id, device_index, device_type, handle), async_with_compute_stream,
-//  allocate_on_comm_stream, record_inputs, inputs, allocs, outputs, launches, begins, ends,
-//  num_values, graph); see steady.py's `describe_program` for the fields of each entry.
+// (device_index, (stream_id, device_index, device_type), async_with_compute_stream,
+//  allocate_on_comm_stream, record_inputs, inputs, allocs, outputs, launches); see steady.py's
+// `ProgramDescription` for the fields of each entry.
 Program* parse_program(PyObject* d) {
     auto program = std::make_unique<Program>(
         Program{static_cast<c10::DeviceIndex>(as_long(item(d, 0, "description"), "device_index")),
@@ -384,12 +313,6 @@ Program* parse_program(PyObject* d) {
     program->begins = PyObject_IsTrue(item(d, 9, "description"));
     program->ends = PyObject_IsTrue(item(d, 10, "description"));
     program->num_values = static_cast<size_t>(as_long(item(d, 11, "description"), "num_values"));
-    program->graph.wanted = PyObject_IsTrue(item(d, 12, "description")) == 1;
-    // A cooperative launch (a fresh dispatch's grid barrier) stays a direct launch: the barrier needs
-    // the driver's guarantee that every CTA is resident at once, and as a graph node on a GPU that
-    // virtual ranks crowd it did not get it (EP8 on one H200 hung: bench/NOTES.md, session 23)
-    for (const Launch& launch : program->launches)
-        if (launch.cooperative) program->graph.wanted = false;
     auto check_values = [&](const std::vector<int64_t>& dims) {
         for (int64_t dim : dims)
             if (dim < 0 && static_cast<size_t>(-1 - dim) >= program->num_values)
@@ -492,173 +415,6 @@ std::vector<at::Tensor> allocate(const Program& program, const std::vector<int64
     return allocs;
 }
 
-// ------------------------------------------------------------------------------ the operations
-
-struct Copy {
-    CUdeviceptr dst, src;
-    size_t bytes;
-};
-
-// One launch of a call: its parameters patched, its configuration made (not copyable: `config`
-// points at `attributes`)
-struct Configured {
-    const Launch* launch = nullptr;
-    void* params[16];
-    CUlaunchAttribute attributes[2];
-    CUlaunchConfig config{};
-
-    Configured() = default;
-    Configured(const Configured&) = delete;
-    Configured& operator=(const Configured&) = delete;
-};
-
-void configure(Launch& launch, const std::vector<const at::Tensor*>& inputs, const std::vector<at::Tensor>& allocs,
-               const std::vector<int64_t>& values, Configured& out) {
-    for (const Patch& patch : launch.patches) {
-        const at::Tensor* source = patch.source >= 0 ? inputs[patch.source] : &allocs[-1 - patch.source];
-        uint64_t address = source == nullptr ? 0 : reinterpret_cast<uint64_t>(source->data_ptr());
-        std::memcpy(launch.params[patch.param].data() + patch.offset, &address, sizeof(address));
-    }
-    for (const ValuePatch& patch : launch.value_patches) {
-        int64_t value = values[patch.value];  // little-endian: the low `width` bytes
-        std::memcpy(launch.params[patch.param].data() + patch.offset, &value, patch.width);
-    }
-    if (launch.params.size() > 16) throw RunFailure{"a kernel with more than 16 parameters"};
-    for (size_t p = 0; p < launch.params.size(); ++p) out.params[p] = launch.params[p].data();
-    unsigned num_attributes = 0;
-    if (launch.cooperative) {
-        out.attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-        out.attributes[num_attributes++].value.cooperative = 1;
-    }
-    if (launch.pdl) {
-        out.attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        out.attributes[num_attributes++].value.programmaticStreamSerializationAllowed = 1;
-    }
-    auto grid = resolve(std::vector<int64_t>(launch.grid, launch.grid + 3), values);
-    CUlaunchConfig& config = out.config;
-    config.gridDimX = static_cast<unsigned>(grid[0]), config.gridDimY = static_cast<unsigned>(grid[1]);
-    config.gridDimZ = static_cast<unsigned>(grid[2]);
-    config.blockDimX = launch.block[0], config.blockDimY = launch.block[1], config.blockDimZ = launch.block[2];
-    config.attrs = out.attributes;
-    config.numAttrs = num_attributes;
-    out.launch = &launch;
-}
-
-// A call's operations in order: the copies, then the launches
-struct Operations {
-    const std::vector<Copy>& copies;
-    std::vector<Configured>& launches;
-
-    size_t size() const { return copies.size() + launches.size(); }
-
-    void issue(size_t k, CUstream stream) {
-        const Driver& d = driver();
-        if (k < copies.size()) {
-            CUresult result = d.copy(copies[k].dst, copies[k].src, copies[k].bytes, stream);
-            if (result != CUDA_SUCCESS)
-                throw RunFailure{driver_error(result, "cuMemcpyDtoDAsync (handle copy of an input)")};
-            return;
-        }
-        Configured& launch = launches[k - copies.size()];
-        launch.config.hStream = stream;
-        CUresult result = d.launch(&launch.config, launch.launch->function, launch.params, nullptr);
-        if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuLaunchKernelEx")};
-    }
-};
-
-// Capture `operations` (this call's) into the program's graph on a stream of its own, and
-// instantiate it; on failure the program launches directly from then on (`Graph.problem` says why)
-bool build_graph(Program& program, Operations& operations) {
-    const GraphDriver& g = driver().graph;
-    Graph& graph = program.graph;
-    auto check = [&](CUresult result, const char* what) {
-        if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, what)};
-    };
-    CUstream stream = nullptr;
-    bool capturing = false;
-    try {
-        check(g.current_context(&graph.context), "cuCtxGetCurrent");
-        check(g.create_stream(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-        // Relaxed: the other virtual ranks' threads go on allocating and launching meanwhile
-        check(g.begin_capture(stream, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture");
-        capturing = true;
-        for (size_t k = 0; k < operations.size(); ++k) {
-            operations.issue(k, stream);
-            CUstreamCaptureStatus status;
-            cuuint64_t id;
-            CUgraph captured;
-            const CUgraphNode* last = nullptr;
-            const void* edges = nullptr;
-            size_t num_last = 0;
-            check(g.capture_info_v3 != nullptr
-                      ? g.capture_info_v3(stream, &status, &id, &captured, &last, &edges, &num_last)
-                      : g.capture_info_v2(stream, &status, &id, &captured, &last, &num_last),
-                  "cuStreamGetCaptureInfo");
-            if (num_last != 1) throw RunFailure{"a captured operation is not one node"};
-            graph.nodes.push_back(last[0]);
-            if (k < operations.copies.size()) {
-                CUDA_MEMCPY3D copy{};
-                check(g.get_copy(last[0], &copy), "cuGraphMemcpyNodeGetParams");
-                graph.copy_params.push_back(copy);
-            }
-        }
-        capturing = false;
-        check(g.end_capture(stream, &graph.graph), "cuStreamEndCapture");
-        check(g.instantiate(&graph.exec, graph.graph, 0), "cuGraphInstantiateWithFlags");
-    } catch (const RunFailure& error) {
-        if (capturing) {
-            CUgraph abandoned = nullptr;
-            if (g.end_capture(stream, &abandoned) == CUDA_SUCCESS && abandoned != nullptr) g.destroy_graph(abandoned);
-        }
-        graph.problem = error.message;
-    }
-    if (stream != nullptr) g.destroy_stream(stream);
-    if (graph.exec == nullptr) {
-        graph.wanted = false;
-        graph.nodes.clear();
-        graph.copy_params.clear();
-    }
-    return graph.exec != nullptr;
-}
-
-// Launch this call's operations as the program's graph (made at its first run), each node updated
-// with this call's addresses, values and grids; false when the program launches directly (one
-// operation, a cooperative launch, no graph wanted, or none could be made or updated: nothing was
-// launched then)
-bool launch_graph(Program& program, const std::vector<Copy>& copies, std::vector<Configured>& launches) {
-    const GraphDriver& g = driver().graph;
-    Graph& graph = program.graph;
-    Operations operations{copies, launches};
-    if (!graph.wanted || operations.size() < 2 || !g.complete()) return false;
-    if (graph.exec == nullptr && !build_graph(program, operations)) return false;
-    for (size_t k = 0; k < operations.size(); ++k) {
-        CUresult result;
-        if (k < copies.size()) {
-            CUDA_MEMCPY3D copy = graph.copy_params[k];
-            copy.srcDevice = copies[k].src, copy.dstDevice = copies[k].dst;
-            result = g.set_copy(graph.exec, graph.nodes[k], &copy, graph.context);
-        } else {
-            const Configured& launch = launches[k - copies.size()];
-            CUDA_KERNEL_NODE_PARAMS_v2 node{};
-            node.func = launch.launch->function;
-            node.gridDimX = launch.config.gridDimX, node.gridDimY = launch.config.gridDimY;
-            node.gridDimZ = launch.config.gridDimZ;
-            node.blockDimX = launch.config.blockDimX, node.blockDimY = launch.config.blockDimY;
-            node.blockDimZ = launch.config.blockDimZ;
-            node.kernelParams = const_cast<void**>(launch.params);
-            result = g.set_kernel(graph.exec, graph.nodes[k], &node);
-        }
-        if (result != CUDA_SUCCESS) {  // nothing launched yet: launch directly, now and from now on
-            graph.problem = driver_error(result, "updating a graph node");
-            graph.wanted = false;
-            return false;
-        }
-    }
-    CUresult result = g.launch(graph.exec, program.comm_handle);
-    if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuGraphLaunch")};
-    return true;
-}
-
 // What `run` does without the GIL: returns the output tensors and the end event.
 std::vector<at::Tensor> run_native(Program& program, const std::vector<const at::Tensor*>& inputs, void* previous_event,
                                    const std::vector<int64_t>& values, c10::Event* end_event, PhaseClock& clock) {
@@ -701,19 +457,49 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     restore();
     clock.mark(2);
 
-    // This call's operations: the clones' copies, then the launches with its addresses and values
-    std::vector<Copy> copies;
     for (size_t i = 0; i < allocs.size(); ++i) {
         int source = program.allocs[i].clone_of;
-        if (source >= 0)
-            copies.push_back(Copy{reinterpret_cast<CUdeviceptr>(allocs[i].data_ptr()),
-                                  reinterpret_cast<CUdeviceptr>(inputs[source]->data_ptr()), inputs[source]->nbytes()});
+        if (source < 0) continue;
+        const at::Tensor& from = *inputs[source];
+        CUresult result = d.copy(reinterpret_cast<CUdeviceptr>(allocs[i].data_ptr()),
+                                 reinterpret_cast<CUdeviceptr>(from.data_ptr()), from.nbytes(), comm_handle);
+        if (result != CUDA_SUCCESS)
+            throw RunFailure{driver_error(result, "cuMemcpyDtoDAsync (handle copy of an input)")};
     }
-    std::vector<Configured> launches(program.launches.size());
-    for (size_t k = 0; k < launches.size(); ++k) configure(program.launches[k], inputs, allocs, values, launches[k]);
-    if (!launch_graph(program, copies, launches)) {
-        Operations operations{copies, launches};
-        for (size_t k = 0; k < operations.size(); ++k) operations.issue(k, program.comm_handle);
+
+    for (Launch& launch : program.launches) {
+        for (const Patch& patch : launch.patches) {
+            const at::Tensor* source = patch.source >= 0 ? inputs[patch.source] : &allocs[-1 - patch.source];
+            uint64_t address = source == nullptr ? 0 : reinterpret_cast<uint64_t>(source->data_ptr());
+            std::memcpy(launch.params[patch.param].data() + patch.offset, &address, sizeof(address));
+        }
+        for (const ValuePatch& patch : launch.value_patches) {
+            int64_t value = values[patch.value];  // little-endian: the low `width` bytes
+            std::memcpy(launch.params[patch.param].data() + patch.offset, &value, patch.width);
+        }
+        void* params[16];
+        if (launch.params.size() > 16) throw RunFailure{"a kernel with more than 16 parameters"};
+        for (size_t p = 0; p < launch.params.size(); ++p) params[p] = launch.params[p].data();
+        CUlaunchAttribute attributes[2];
+        unsigned num_attributes = 0;
+        if (launch.cooperative) {
+            attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attributes[num_attributes++].value.cooperative = 1;
+        }
+        if (launch.pdl) {
+            attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attributes[num_attributes++].value.programmaticStreamSerializationAllowed = 1;
+        }
+        CUlaunchConfig config{};
+        auto grid = resolve(std::vector<int64_t>(launch.grid, launch.grid + 3), values);
+        config.gridDimX = static_cast<unsigned>(grid[0]), config.gridDimY = static_cast<unsigned>(grid[1]);
+        config.gridDimZ = static_cast<unsigned>(grid[2]);
+        config.blockDimX = launch.block[0], config.blockDimY = launch.block[1], config.blockDimZ = launch.block[2];
+        config.hStream = comm_handle;
+        config.attrs = attributes;
+        config.numAttrs = num_attributes;
+        CUresult result = d.launch(&config, launch.function, params, nullptr);
+        if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuLaunchKernelEx")};
     }
 
     clock.mark(3);
@@ -869,16 +655,6 @@ PyObject* program_num_runs(PyObject* self, void*) {
     return PyLong_FromUnsignedLongLong(reinterpret_cast<ProgramObject*>(self)->program->num_runs);
 }
 
-PyObject* program_uses_graph(PyObject* self, void*) {
-    return PyBool_FromLong(reinterpret_cast<ProgramObject*>(self)->program->graph.exec != nullptr);
-}
-
-PyObject* program_graph_problem(PyObject* self, void*) {
-    const std::string& problem = reinterpret_cast<ProgramObject*>(self)->program->graph.problem;
-    if (problem.empty()) Py_RETURN_NONE;
-    return PyUnicode_FromString(problem.c_str());
-}
-
 PyObject* program_phase_ns(PyObject* self, void*) {
     const auto& totals = reinterpret_cast<ProgramObject*>(self)->program->phase_ns;
     PyObject* out = PyTuple_New(kNumPhases);
@@ -1002,12 +778,9 @@ PyMethodDef program_methods[] = {{"run", reinterpret_cast<PyCFunction>(reinterpr
                                   METH_FASTCALL, "run(inputs, previous_event) -> (outputs..., Event) or None"},
                                  {nullptr, nullptr, 0, nullptr}};
 
-PyGetSetDef program_getset[] = {
-    {"num_runs", program_num_runs, nullptr, "calls served", nullptr},
-    {"phase_ns", program_phase_ns, nullptr, "host nanoseconds per phase, summed", nullptr},
-    {"uses_graph", program_uses_graph, nullptr, "whether runs launch one CUDA graph", nullptr},
-    {"graph_problem", program_graph_problem, nullptr, "why runs launch directly after all (None: no failure)", nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+PyGetSetDef program_getset[] = {{"num_runs", program_num_runs, nullptr, "calls served", nullptr},
+                                {"phase_ns", program_phase_ns, nullptr, "host nanoseconds per phase, summed", nullptr},
+                                {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "deep_ep_steady", "deep_ep's steady path (steady.cpp)", -1, nullptr};
 

@@ -28,8 +28,7 @@ What stays on the Python path: CPU-sync dispatches with column-major scales (the
 follows the counts), cached dispatches that update `cumulative_local_expert_recv_stats`, calls with
 `previous_event_before_epilogue`, calls inside a CUDA graph capture, buffers with rank masking, hybrid
 mode or peers outside the scale-up domain, outputs with guard bytes (`LoopbackWorld(guard_bytes=)`)
-and `EP_CHECK_VALUES=1`. `EP_STEADY=0` turns the steady path off for new buffers;
-`EP_STEADY_GRAPHS=1` makes new programs launch their operations as one CUDA graph (experimental).
+and `EP_CHECK_VALUES=1`. `EP_STEADY=0` turns the steady path off for new buffers.
 `EP_AVOID_RECORD_STREAM` is read when a shape is recorded.
 
 Memory: the steady path allocates what the Python path does, from torch's CUDA caching allocator as
@@ -64,7 +63,6 @@ SOURCE = Path(__file__).with_name("steady.cpp")
 # Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
 MAX_PROGRAMS = 64
 ENV_SWITCH = "EP_STEADY"
-GRAPHS_SWITCH = "EP_STEADY_GRAPHS"
 # The phases of a replay whose host nanoseconds a program sums (`Program.phase_ns`, steady.cpp)
 PHASES = ("checks", "stream wait", "allocations", "launches", "end event and record_stream", "outputs to Python")
 
@@ -93,13 +91,6 @@ def steady_module() -> tuple[ModuleType | None, str | None]:
 def steady_enabled() -> bool:
     """Whether new buffers take the steady path (`EP_STEADY`, default on)."""
     return os.environ.get(ENV_SWITCH, "1") not in ("", "0")
-
-
-def graphs_enabled() -> bool:
-    """Whether new programs launch their operations as one CUDA graph (`EP_STEADY_GRAPHS=1`; by
-    default each is its own driver launch, as on the Python path). Off by default: with graphs, the
-    EP8 case of tests/loopback/test_steady_gpu.py times out on one GPU (bench/NOTES.md, session 23)."""
-    return os.environ.get(GRAPHS_SWITCH, "0") not in ("", "0")
 
 
 class Recorder:
@@ -290,7 +281,7 @@ def describe_program(
         comm_stream.device_index,
         (comm_stream.stream_id, comm_stream.device_index, comm_stream.device_type, comm_stream.cuda_stream),
         async_with_compute_stream, allocate_on_comm_stream, not avoid_record_stream(), input_specs, tuple(allocs),
-        tuple(outputs), tuple(launches), part.begins, part.ends, len(part.values), graphs_enabled(),
+        tuple(outputs), tuple(launches), part.begins, part.ends, len(part.values),
     )  # fmt: skip
     return description, tuple(result_sources), keep
 
