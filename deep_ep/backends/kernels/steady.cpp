@@ -148,7 +148,7 @@ PyTypeObject EventType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 PyTypeObject ProgramType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // End events whose Python object died, per device, to record again: creating and destroying a CUDA
-// event costs the host microseconds per call. Nobody waits on a dead object's event, so recording it
+// event costs the host about a microsecond per call. Nobody waits on a dead object's event, so recording it
 // anew is safe even before its last record completed. Touched only with the GIL held.
 constexpr size_t kMaxSpareEvents = 64;
 std::vector<std::pair<c10::DeviceIndex, std::unique_ptr<c10::Event>>> spare_events;
