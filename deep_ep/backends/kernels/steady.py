@@ -557,8 +557,7 @@ class SteadyPath:
         # costs the host more than a read)
         if words[0] or runtime.dead_reason is not None:
             runtime.check_error()
-        outputs = entry.program.run(inputs, None if previous_event is None else previous_event_handle(previous_event),
-                                    values)  # fmt: skip
+        outputs = entry.program.run(inputs, previous_event_handle(previous_event), values)
         if outputs is None:
             self.num_refused += 1
             return None
