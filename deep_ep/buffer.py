@@ -52,9 +52,17 @@ _buffer_ids = itertools.count(1)
 def _in_use_error(buffer: ElasticBuffer) -> RuntimeError:
     return RuntimeError(
         f"ElasticBuffer: called from thread {threading.current_thread().name!r} while thread "
-        f"{buffer._user!r} is inside a call of the same buffer; a buffer serves one thread at a time "
+        f"{buffer._user.name!r} is inside a call of the same buffer; a buffer serves one thread at a time "
         "(give each thread its own buffer)"
     )
+
+
+def _handle_topk_idx(request: DispatchRequest, result: Any) -> torch.Tensor:
+    """A fresh dispatch's `EPHandle.topk_idx`: with `do_handle_copy` the backend's copy (the kernels
+    make it in the dispatch kernel) or else a clone, without it the request's own tensor."""
+    if not request.do_handle_copy:
+        return request.topk_idx
+    return result.handle_topk_idx if result.handle_topk_idx is not None else request.topk_idx.clone()
 
 
 @contextlib.contextmanager
@@ -63,7 +71,7 @@ def _the_only_thread(buffer: ElasticBuffer) -> Iterator[None]:
     collective, and two threads would interleave their steps (validation and status exchange included)."""
     if not buffer._in_use.acquire(blocking=False):
         raise _in_use_error(buffer)
-    buffer._user = threading.current_thread().name
+    buffer._user = threading.current_thread()
     try:
         yield
     finally:
@@ -78,7 +86,7 @@ def _one_thread_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     def guarded(self: ElasticBuffer, *args: Any, **kwargs: Any) -> Any:
         if not self._in_use.acquire(blocking=False):
             raise _in_use_error(self)
-        self._user = threading.current_thread().name
+        self._user = threading.current_thread()  # its name only for the error (a property: costs the host)
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -312,7 +320,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         self._agrs = AgrsState(num_max_session_bytes=num_bytes)
         self._pp = PpState()
         self._engram: EngramTable | None = None
-        self._user = ""
+        self._user = threading.current_thread()  # the thread inside a call (when one is)
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         config = BufferConfig(
@@ -781,13 +789,14 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                 do_expand=do_expand,
                 do_zero_padding=do_zero_padding,
                 use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                do_handle_copy=do_handle_copy,
             )
             self._check_handle_mask("dispatch", handle)
             if self._masked_ranks:  # a copy of the request only where a mask applies
                 request = dataclasses.replace(request, masked_ranks=self._masked_ranks)
-            return request, as_bool("dispatch", "do_handle_copy", do_handle_copy)
+            return request
 
-        request, do_handle_copy = self._checked("dispatch", backend, check)
+        request = self._checked("dispatch", backend, check)
 
         def run() -> tuple[Any, tuple, tuple]:
             result, recorder = self._recorded(lambda: backend.dispatch(request), key)
@@ -799,7 +808,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                     expert_alignment=request.expert_alignment,
                     num_max_tokens_per_rank=request.num_max_tokens_per_rank,
                     num_sms=request.num_sms,
-                    topk_idx=request.topk_idx.clone() if do_handle_copy else request.topk_idx,
+                    topk_idx=_handle_topk_idx(request, result),
                     num_recv_tokens=result.num_recv_tokens,
                     num_expanded_tokens=result.num_expanded_tokens,
                     # V2: an empty list when the counts were not synchronized to the host
@@ -839,7 +848,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             if recorder is not None:
                 steady.record_dispatch(key, recorder, steady.dispatch_inputs(x, topk_idx, topk_weights,
                                        cumulative_local_expert_recv_stats, handle), result, out_handle, handle is None,
-                                       do_handle_copy, request, async_with_compute_stream,
+                                       request, async_with_compute_stream,
                                        allocate_on_comm_stream)  # fmt: skip
             return (result, out_handle), inputs, outputs
 

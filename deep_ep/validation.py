@@ -332,6 +332,7 @@ def validate_dispatch(
     do_expand: Any,
     do_zero_padding: Any,
     use_tma_aligned_col_major_sf: Any,
+    do_handle_copy: Any = True,
 ) -> DispatchRequest:
     """Check every argument of `ElasticBuffer.dispatch` and return the normalized request."""
     op = "dispatch"
@@ -453,6 +454,7 @@ def validate_dispatch(
         allow_multiple_reduction=ctx.allow_multiple_reduction,
         cached_handle=handle,
         previous_event_before_epilogue=previous_event_before_epilogue,
+        do_handle_copy=as_bool(op, "do_handle_copy", do_handle_copy),
     )
 
 

@@ -44,9 +44,10 @@ def test_a_recording_becomes_patches_at_each_address_of_an_input_or_allocation()
     x, out = torch.randn(4, 8), torch.empty(32)
     recorder = _recording(x, out, scratch, stream)
     view = out[8:].view(4, 6)
-    built = describe_program([scratch], stream, recorder, [x, None], [view, x, None], {}, False, True)
+    built = describe_program([scratch], stream, recorder, [x, None], [view, x, None], False, True)
     assert not isinstance(built, str), built
-    description, sources, keep = built
+    description, keep = built
+    sources = description[12]
     (handle, grid, block, cooperative, pdl, _, patches, fields) = description[8][0]
     assert fields == ()
     assert (handle, grid, block, cooperative, pdl) == (0x1234, (5, 1, 1), (128, 1, 1), False, True)
@@ -57,13 +58,13 @@ def test_a_recording_becomes_patches_at_each_address_of_an_input_or_allocation()
     assert description[7] == ((0, (4, 6), (6, 1), 8),)
     assert description[5] == ((torch.float32, (4, 8), (8, 1)), None)
     assert description[2:4] == (False, True)
-    assert description[6] == ((torch.float32, (32,), (1,), -1, False),)
+    assert description[6] == ((torch.float32, (32,), (1,), False),)
     # A handle's tensors share one allocation: the allocation behind result 0 joins the group, and
     # so does one no result returns
-    grouped = describe_program([scratch], stream, recorder, [x, None], [view, x, None], {}, False, True, None, [0])
-    assert grouped[0][6] == ((torch.float32, (32,), (1,), -1, True),)
-    unreturned = describe_program([scratch], stream, recorder, [x, None], [x], {}, False, True, None, (), True)
-    assert unreturned[0][6] == ((torch.float32, (32,), (1,), -1, True),)
+    grouped = describe_program([scratch], stream, recorder, [x, None], [view, x, None], False, True, None, [0])
+    assert grouped[0][6] == ((torch.float32, (32,), (1,), True),)
+    unreturned = describe_program([scratch], stream, recorder, [x, None], [x], False, True, None, (), True)
+    assert unreturned[0][6] == ((torch.float32, (32,), (1,), True),)
 
 
 def test_a_recording_is_refused_where_an_address_could_go_stale():
@@ -72,20 +73,17 @@ def test_a_recording_is_refused_where_an_address_could_go_stale():
     copy_made_inside = torch.randn(4, 8)
     recorder = _recording(x, out, scratch, stream)
     recorder.pointers.append(copy_made_inside)
-    assert "made inside the call" in describe_program([scratch], stream, recorder, [x], [out], {}, False, False)
+    assert "made inside the call" in describe_program([scratch], stream, recorder, [x], [out], False, False)
     recorder = _recording(x, out, scratch, stream)
-    assert "two inputs at one address" in describe_program([scratch], stream, recorder, [x, x[0]], [out], {}, False,
+    assert "two inputs at one address" in describe_program([scratch], stream, recorder, [x, x[0]], [out], False,
                                                            False)  # fmt: skip
     recorder = _recording(x, out, scratch, _stream(8))
-    assert "off the communication stream" in describe_program([scratch], stream, recorder, [x], [out], {}, False,
+    assert "off the communication stream" in describe_program([scratch], stream, recorder, [x], [out], False,
                                                               False)  # fmt: skip
     recorder = _recording(x, out, scratch, stream)
     other = torch.randn(3)
-    assert "neither an input nor an allocation" in describe_program([scratch], stream, recorder, [x], [other], {},
+    assert "neither an input nor an allocation" in describe_program([scratch], stream, recorder, [x], [other],
                                                                     False, False)  # fmt: skip
-    recorder = _recording(x, out, scratch, stream)
-    assert "non-contiguous" in describe_program([scratch], stream, recorder, [x.t()], [out, x.clone()], {1: 0}, False,
-                                                False)  # fmt: skip
 
 
 def test_the_compiled_program_checks_its_description_and_its_inputs():
@@ -93,7 +91,7 @@ def test_the_compiled_program_checks_its_description_and_its_inputs():
     assert module is not None, reason
     stream, scratch = _stream(), torch.randn(16)
     x, out = torch.randn(4, 8), torch.empty(32)
-    description, _, _ = describe_program([scratch], stream, _recording(x, out, scratch, stream), [x, None], [out], {},
+    description, _ = describe_program([scratch], stream, _recording(x, out, scratch, stream), [x, None], [out],
                                          False, False)  # fmt: skip
     program = module.Program(description)
     assert program.num_runs == 0
@@ -123,7 +121,13 @@ def test_the_compiled_program_checks_its_description_and_its_inputs():
     with pytest.raises(ValueError, match="too short"):
         module.Program(description[:5])
     # With nothing to check the program reaches the driver, which this machine may not have
-    empty = (0, description[1], False, False, True, (), (), (), (), True, True, 0)
+    bad_source = (*description[:12], (1,))  # one output only
+    with pytest.raises(ValueError, match="result source out of range"):
+        module.Program(bad_source)
+    twice = (*description[:12], (0, 0))
+    with pytest.raises(ValueError, match="two results"):
+        module.Program(twice)
+    empty = (0, description[1], False, False, True, (), (), (), (), True, True, 0, ())
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="libcuda"):
             module.Program(empty).run((), None, ())
@@ -149,23 +153,24 @@ def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
     recorder.pointers += [slots, rows, constant]
     first = Part(allocs=slice(0, 1), launches=slice(0, 1), ends=False, values=("sequence",),
                  fields={0: ((0, _Args.n.offset, 4, "sequence"),)})  # fmt: skip
-    built = describe_program([scratch], stream, recorder, [x], [slots], {}, False, False, first)
+    built = describe_program([scratch], stream, recorder, [x], [slots], False, False, first)
     assert not isinstance(built, str), built
     description = built[0]
-    assert description[6] == ((torch.int32, (4,), (1,), -1, False),) and description[9:] == (True, False, 1)
+    assert description[6] == ((torch.int32, (4,), (1,), False),) and description[9:] == (True, False, 1, (0,))
     assert description[8][0][7] == ((0, _Args.n.offset, 4, 0),)
     second = Part(allocs=slice(1, None), launches=slice(1, None), begins=False, values=("out", "grid"), rows=("out",),
                   fields={1: ((0, _Args.n.offset, 4, "out"),)}, grids={1: "grid"})  # fmt: skip
-    built = describe_program([scratch], stream, recorder, [x, slots], [rows, constant, slots], {}, False, False, second)
+    built = describe_program([scratch], stream, recorder, [x, slots], [rows, constant, slots], False, False, second)
     assert not isinstance(built, str), built
-    description, sources, _ = built
+    description, _ = built
     # The rows' first dimension is value 0, the grid's x value 1; the first part's allocation is an input
-    assert description[6] == ((torch.float32, (-1, 8), (8, 1), -1, False), (torch.float32, (4,), (1,), -1, False))
+    assert description[6] == ((torch.float32, (-1, 8), (8, 1), False), (torch.float32, (4,), (1,), False))
     assert description[7] == ((0, (-1, 8), (8, 1), 0), (1, (4,), (1,), 0))
     (_, grid, _, _, pdl, _, patches, fields) = description[8][0]
     assert grid == (-2, 1, 1) and pdl and fields == ((0, _Args.n.offset, 4, 0),)
     assert patches == ((0, _Args.x.offset, 1), (0, _Args.out.offset, -1), (0, _Args.scratch.offset, -2))
-    assert sources == (0, 1, -2) and description[9:] == (False, True, 2)
+    # rows and constant are outputs 0 and 1, slots input 1 (the first part's allocation)
+    assert description[9:] == (False, True, 2, (0, 1, -2))
     module, reason = steady_module()
     assert module is not None, reason
     program = module.Program(description)
@@ -173,5 +178,5 @@ def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
     with pytest.raises(ValueError, match=">= 0"):
         program.run((x, slots), None, (-3, 5))
     # A view of an allocation whose rows are the call's cannot be returned
-    assert "a view of an allocation" in describe_program([scratch], stream, recorder, [x, slots], [rows[:5]], {},
+    assert "a view of an allocation" in describe_program([scratch], stream, recorder, [x, slots], [rows[:5]],
                                                          False, False, second)  # fmt: skip

@@ -148,6 +148,8 @@ class DispatchRequest:
             nothing itself. Empty without rank masking.
         previous_event_before_epilogue: an event the epilogue (the writes of the outputs after the
             communication) waits for, not the communication (`wait_before_epilogue`).
+        do_handle_copy: a fresh dispatch's handle keeps a copy of `topk_idx`, which a backend may
+            make itself (`DispatchResult.handle_topk_idx`; else the facade clones it).
     """
 
     x: torch.Tensor
@@ -170,6 +172,7 @@ class DispatchRequest:
     cached_handle: EPHandle | None
     masked_ranks: frozenset[int] = frozenset()
     previous_event_before_epilogue: EventHandle | None = None
+    do_handle_copy: bool = False
 
     def wait_before_epilogue(self) -> None:
         """Make the current stream wait for `previous_event_before_epilogue` (a no-op without one):
@@ -286,6 +289,9 @@ class DispatchResult:
         backend_state: anything the backend needs later for a cached dispatch or a combine.
         num_masked_lanes: `[1]` `torch.int32`, the lanes of this rank's tokens that rank masking dropped
             (their expert is on a masked rank, or this rank is masked); `None` without rank masking.
+        handle_topk_idx: `[T, K]` `torch.int64`, the copy of `topk_idx` a fresh dispatch with
+            `do_handle_copy` made for its handle (the kernels make it in the dispatch kernel, which reads
+            every row anyway: no copy launch of its own), or `None` (the facade clones `topk_idx`).
     """
 
     recv_x: torch.Tensor
@@ -302,6 +308,7 @@ class DispatchResult:
     dst_buffer_slot_idx: torch.Tensor
     backend_state: Any
     num_masked_lanes: torch.Tensor | None = None
+    handle_topk_idx: torch.Tensor | None = None
 
 
 def worst_case_num_recv_tokens(num_ranks: int, num_max_tokens_per_rank: int) -> int:

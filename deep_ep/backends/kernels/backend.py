@@ -154,6 +154,7 @@ class NvlinkBackend(EPBackend):
             cached_recv_src_metadata=None if handle is None else handle.recv_src_metadata,
             before_epilogue=request.wait_before_epilogue,
             num_qps=request.num_qps,
+            do_handle_copy=request.do_handle_copy,
         )
         state = out["state"]
         if handle is None:
@@ -177,6 +178,7 @@ class NvlinkBackend(EPBackend):
             dst_buffer_slot_idx=dst_slot,
             backend_state=state,
             num_masked_lanes=out["num_masked_lanes"] if handle is None else handle.num_masked_lanes,
+            handle_topk_idx=out["topk_idx_copy"],
         )
 
     def combine(self, request: CombineRequest) -> CombineResult:

@@ -140,6 +140,7 @@ def run_dispatch(
     cached_recv_src_metadata: torch.Tensor | None = None,
     before_epilogue: Callable[[], None] | None = None,
     num_qps: int = 0,
+    do_handle_copy: bool = False,
 ) -> dict:
     """Run one dispatch of `runtime`'s buffer on `stream`; returns the output tensors and the new handle state.
 
@@ -155,13 +156,15 @@ def run_dispatch(
         before_epilogue: called right before the epilogue is launched (it may make `stream` wait).
         num_qps: the queue pairs (GIN contexts) the kernels' warps take in turn (`0`: every one the
             buffer has); other transports have none.
+        do_handle_copy: a fresh dispatch's kernel also copies `topk_idx` for the handle (`topk_idx_copy`).
 
     Returns:
         A dict of `recv_x`, `recv_scales`, `recv_topk_idx`, `recv_topk_weights`,
         `recv_src_metadata`, `psum_num_recv_tokens_per_rank`, `num_recv_tokens_per_expert`,
         `psum_num_recv_tokens_per_expert`, `num_recv_tokens_per_expert_host` (list or None),
         `num_recv_tokens` (int), `num_out_rows` (int), `dst_slot_idx`, `num_masked_lanes` (`[1]` int32,
-        fresh dispatches of a buffer with rank masking, else None) and `state`.
+        fresh dispatches of a buffer with rank masking, else None), `topk_idx_copy` (`[num_tokens, num_topk]`
+        int64 with `do_handle_copy` in a fresh dispatch, else None) and `state`.
     """
     runtime.check_error()
     num_tokens, num_topk = topk_idx.shape
@@ -179,7 +182,7 @@ def run_dispatch(
     max_recv = runtime.num_ranks * num_max_tokens_per_rank
     empty = runtime.empty
 
-    counts_list, expand_scratch, dst_slot_idx, num_masked_lanes = None, None, None, None
+    counts_list, expand_scratch, dst_slot_idx, num_masked_lanes, topk_idx_copy = None, None, None, None, None
     node_slot_idx = num_tokens_per_node = forward_map = forward_counts = None
     num_nodes = runtime.num_hybrid_nodes
     if fresh and masking:
@@ -187,6 +190,8 @@ def run_dispatch(
     if fresh:
         slot_idx = empty((num_tokens, runtime.num_ranks), dtype=torch.int32, device=device)
         dst_slot_idx = empty((num_tokens, num_topk), dtype=torch.int32, device=device)
+        if do_handle_copy:  # written by the dispatch kernel, which reads every row anyway
+            topk_idx_copy = empty((num_tokens, num_topk), dtype=torch.int64, device=device)
         num_tokens_per_rank = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
         num_recv_per_expert = empty((num_local_experts,), dtype=torch.int32, device=device)
         if num_nodes:
@@ -224,7 +229,7 @@ def run_dispatch(
     counts_sequence = runtime.next_counts_sequence() if state is None else 0  # CPU sync: counts to the host
     dispatch_args = specs.DispatchArgs(
         window_base=runtime.windows.ptr, x=data_ptr(x), x_scales=data_ptr(x_scales), topk_idx=data_ptr(topk_idx),
-        topk_weights=data_ptr(topk_weights), slot_idx=data_ptr(slot_idx), dst_slot_idx=data_ptr(dst_slot_idx),
+        topk_idx_copy=data_ptr(topk_idx_copy), topk_weights=data_ptr(topk_weights), slot_idx=data_ptr(slot_idx), dst_slot_idx=data_ptr(dst_slot_idx),
         layout_scratch=data_ptr(runtime.dispatch_scratch), num_tokens_per_rank=data_ptr(num_tokens_per_rank),
         num_recv_tokens_per_expert=data_ptr(num_recv_per_expert),
         counts_out=data_ptr(runtime.host_counts) if counts_sequence else 0,
@@ -310,6 +315,7 @@ def run_dispatch(
         "num_out_rows": state.num_out_rows,
         "dst_slot_idx": dst_slot_idx,
         "num_masked_lanes": num_masked_lanes,
+        "topk_idx_copy": topk_idx_copy,
         "state": state,
     }
 

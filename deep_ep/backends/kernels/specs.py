@@ -32,6 +32,7 @@ class DispatchArgs(ctypes.Structure):
         ("x", ctypes.c_uint64),
         ("x_scales", ctypes.c_uint64),
         ("topk_idx", ctypes.c_uint64),
+        ("topk_idx_copy", ctypes.c_uint64),
         ("topk_weights", ctypes.c_uint64),
         ("slot_idx", ctypes.c_uint64),
         ("dst_slot_idx", ctypes.c_uint64),

@@ -27,6 +27,7 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,7 +39,6 @@ namespace {
 
 struct Driver {
     decltype(&cuLaunchKernelEx) launch = nullptr;
-    decltype(&cuMemcpyDtoDAsync) copy = nullptr;
     decltype(&cuStreamWaitEvent) wait_event = nullptr;
     decltype(&cuStreamIsCapturing) is_capturing = nullptr;
     decltype(&cuGetErrorString) error_string = nullptr;
@@ -55,13 +55,12 @@ const Driver& driver() {
             return d;
         }
         d.launch = reinterpret_cast<decltype(d.launch)>(dlsym(lib, "cuLaunchKernelEx"));
-        d.copy = reinterpret_cast<decltype(d.copy)>(dlsym(lib, "cuMemcpyDtoDAsync_v2"));
         d.wait_event = reinterpret_cast<decltype(d.wait_event)>(dlsym(lib, "cuStreamWaitEvent"));
         d.is_capturing = reinterpret_cast<decltype(d.is_capturing)>(dlsym(lib, "cuStreamIsCapturing"));
         d.error_string = reinterpret_cast<decltype(d.error_string)>(dlsym(lib, "cuGetErrorString"));
-        if (!d.launch || !d.copy || !d.wait_event || !d.is_capturing || !d.error_string)
+        if (!d.launch || !d.wait_event || !d.is_capturing || !d.error_string)
             d.problem =
-                "libcuda.so.1 lacks cuLaunchKernelEx, cuMemcpyDtoDAsync_v2, cuStreamWaitEvent or cuStreamIsCapturing";
+                "libcuda.so.1 lacks cuLaunchKernelEx, cuStreamWaitEvent, cuStreamIsCapturing or cuGetErrorString";
         return d;
     }();
     return loaded;
@@ -78,6 +77,8 @@ std::string driver_error(CUresult result, const char* what) {
 
 // The phases of a call, in order (steady.py's `PHASES` names them)
 constexpr int kNumPhases = 6;
+// A result that is `None` (`Program::results`)
+constexpr int kNoResult = std::numeric_limits<int>::min();
 
 struct InputSpec {
     bool present;  // false: the recording saw None, and None is expected
@@ -90,7 +91,6 @@ struct InputSpec {
 struct AllocSpec {
     at::ScalarType dtype;
     std::vector<int64_t> sizes, strides;
-    int clone_of;  // >= 0: a copy of that (contiguous) input, made on the communication stream
     bool grouped;  // carved out of the call's one shared allocation (a handle's small tensors)
 };
 
@@ -131,6 +131,9 @@ struct Program {
     // begins (waits for the compute stream), the second ends (its event, the compute stream's wait)
     bool begins = true, ends = true;
     size_t num_values = 0;
+    // What `run` returns, in order: output `k >= 0`, input `-1 - k`, or none (`kNoResult`), so that
+    // the caller gets its results without sorting them in Python
+    std::vector<int> results;
     std::optional<c10::Event> compute_ready;  // the compute stream's point the comm stream waits for
     uint64_t num_runs = 0;
     std::array<uint64_t, kNumPhases> phase_ns{};
@@ -211,9 +214,9 @@ std::vector<char> as_bytes(PyObject* obj, const char* what) {
     return std::vector<char>(data, data + PyBytes_GET_SIZE(obj));
 }
 
-// (device_index, (stream_id, device_index, device_type), async_with_compute_stream,
-//  allocate_on_comm_stream, record_inputs, inputs, allocs, outputs, launches); see steady.py's
-// `ProgramDescription` for the fields of each entry.
+// (device_index, (stream_id, device_index, device_type, handle), async_with_compute_stream,
+//  allocate_on_comm_stream, record_inputs, inputs, allocs, outputs, launches, begins, ends,
+//  num_values, results); see steady.py's `describe_program` for the fields of each entry.
 Program* parse_program(PyObject* d) {
     auto program = std::make_unique<Program>(
         Program{static_cast<c10::DeviceIndex>(as_long(item(d, 0, "description"), "device_index")),
@@ -245,13 +248,9 @@ Program* parse_program(PyObject* d) {
     PyObject* allocs = item(d, 6, "description");
     for (Py_ssize_t i = 0; i < PyTuple_Size(allocs); ++i) {
         PyObject* spec = item(allocs, i, "allocs");
-        int clone_of = static_cast<int>(as_long(item(spec, 3, "alloc"), "clone_of"));
-        if (clone_of >= static_cast<int>(program->inputs.size()) ||
-            (clone_of >= 0 && !program->inputs[clone_of].present))
-            throw ParseError{"alloc clone_of must name a present input"};
-        program->allocs.push_back(AllocSpec{
-            as_dtype(item(spec, 0, "alloc"), "alloc dtype"), as_dims(item(spec, 1, "alloc"), "alloc sizes"),
-            as_dims(item(spec, 2, "alloc"), "alloc strides"), clone_of, PyObject_IsTrue(item(spec, 4, "alloc")) == 1});
+        program->allocs.push_back(
+            AllocSpec{as_dtype(item(spec, 0, "alloc"), "alloc dtype"), as_dims(item(spec, 1, "alloc"), "alloc sizes"),
+                      as_dims(item(spec, 2, "alloc"), "alloc strides"), PyObject_IsTrue(item(spec, 3, "alloc")) == 1});
     }
     PyObject* outputs = item(d, 7, "description");
     for (Py_ssize_t i = 0; i < PyTuple_Size(outputs); ++i) {
@@ -313,6 +312,22 @@ Program* parse_program(PyObject* d) {
     program->begins = PyObject_IsTrue(item(d, 9, "description"));
     program->ends = PyObject_IsTrue(item(d, 10, "description"));
     program->num_values = static_cast<size_t>(as_long(item(d, 11, "description"), "num_values"));
+    PyObject* results = item(d, 12, "description");
+    std::vector<bool> returned(program->outputs.size(), false);  // each output goes to one result (moved there)
+    for (Py_ssize_t i = 0; i < PyTuple_Size(results); ++i) {
+        PyObject* source = item(results, i, "results");
+        if (source == Py_None) {
+            program->results.push_back(kNoResult);
+            continue;
+        }
+        long long k = as_long(source, "result source");
+        bool in_range = k >= 0 ? k < static_cast<long long>(program->outputs.size())
+                               : -1 - k < static_cast<long long>(program->inputs.size());
+        if (!in_range) throw ParseError{"result source out of range"};
+        if (k >= 0 && returned[k]) throw ParseError{"an output is two results"};
+        if (k >= 0) returned[k] = true;
+        program->results.push_back(static_cast<int>(k));
+    }
     auto check_values = [&](const std::vector<int64_t>& dims) {
         for (int64_t dim : dims)
             if (dim < 0 && static_cast<size_t>(-1 - dim) >= program->num_values)
@@ -457,16 +472,6 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     restore();
     clock.mark(2);
 
-    for (size_t i = 0; i < allocs.size(); ++i) {
-        int source = program.allocs[i].clone_of;
-        if (source < 0) continue;
-        const at::Tensor& from = *inputs[source];
-        CUresult result = d.copy(reinterpret_cast<CUdeviceptr>(allocs[i].data_ptr()),
-                                 reinterpret_cast<CUdeviceptr>(from.data_ptr()), from.nbytes(), comm_handle);
-        if (result != CUDA_SUCCESS)
-            throw RunFailure{driver_error(result, "cuMemcpyDtoDAsync (handle copy of an input)")};
-    }
-
     for (Launch& launch : program.launches) {
         for (const Patch& patch : launch.patches) {
             const at::Tensor* source = patch.source >= 0 ? inputs[patch.source] : &allocs[-1 - patch.source];
@@ -530,15 +535,15 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
         if (spec.storage_offset == 0 && alloc.sizes().equals(output_sizes) && alloc.strides().equals(spec.strides))
             outputs.push_back(alloc);  // the allocation itself: no view to make
         else
-            outputs.push_back(
-                alloc.as_strided(output_sizes, spec.strides, alloc.storage_offset() + spec.storage_offset));
+            outputs.push_back(tensor_over(alloc.storage(), alloc.scalar_type(), output_sizes, spec.strides,
+                                          (alloc.storage_offset() + spec.storage_offset) * alloc.element_size()));
     }
     return outputs;
 }
 
 // run(inputs: tuple of tensors or None, previous_event: int (a CUevent) or None, values: tuple of ints)
-//   -> (outputs..., Event or None), or None when an input differs from the recording or the compute
-//   stream is being captured (the caller takes the Python path)
+//   -> (results..., Event or None) (`Program::results`), or None when an input differs from the recording or the
+//   compute stream is being captured (the caller takes the Python path)
 PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
     Program& program = *reinterpret_cast<ProgramObject*>(self)->program;
     PhaseClock clock{program.phase_ns};
@@ -624,15 +629,23 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
         return nullptr;
     }
     ++program.num_runs;
-    PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(outputs.size()) + 1);
+    const size_t num_results = program.results.size();
+    PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(num_results) + 1);
     if (result == nullptr) return nullptr;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-        PyObject* wrapped = THPVariable_Wrap(std::move(outputs[i]));
-        if (wrapped == nullptr) {
-            Py_DECREF(result);
-            return nullptr;
+    for (size_t i = 0; i < num_results; ++i) {
+        int source = program.results[i];
+        PyObject* item = nullptr;
+        if (source >= 0) {
+            item = THPVariable_Wrap(std::move(outputs[source]));
+            if (item == nullptr) {
+                Py_DECREF(result);
+                return nullptr;
+            }
+        } else {
+            item = source == kNoResult ? Py_None : PyTuple_GET_ITEM(given, -1 - source);
+            Py_INCREF(item);
         }
-        PyTuple_SET_ITEM(result, i, wrapped);
+        PyTuple_SET_ITEM(result, i, item);
     }
     PyObject* event = Py_None;
     if (end_event) {
@@ -646,7 +659,7 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
     } else {
         Py_INCREF(Py_None);
     }
-    PyTuple_SET_ITEM(result, outputs.size(), event);
+    PyTuple_SET_ITEM(result, num_results, event);
     clock.mark(5);
     return result;
 }
@@ -775,7 +788,7 @@ PyGetSetDef event_getset[] = {{"cuda_event", event_cuda_event, nullptr, "the CUe
                               {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyMethodDef program_methods[] = {{"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(program_run)),
-                                  METH_FASTCALL, "run(inputs, previous_event) -> (outputs..., Event) or None"},
+                                  METH_FASTCALL, "run(inputs, previous_event, values) -> (results..., Event) or None"},
                                  {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef program_getset[] = {{"num_runs", program_num_runs, nullptr, "calls served", nullptr},

@@ -169,10 +169,10 @@ class Part:
 
 def describe_program(
     runtime_tensors: Sequence[torch.Tensor], comm_stream: Any, recorder: Recorder,
-    inputs: Sequence[torch.Tensor | None], results: Sequence[torch.Tensor | None], clones: dict[int, int],
+    inputs: Sequence[torch.Tensor | None], results: Sequence[torch.Tensor | None],
     async_with_compute_stream: bool, allocate_on_comm_stream: bool, part: Part | None = None,
     grouped: Sequence[int] = (), group_unreturned: bool = False,
-) -> tuple[tuple, tuple[int | None, ...], list[torch.Tensor]] | str:  # fmt: skip
+) -> tuple[tuple, list[torch.Tensor]] | str:  # fmt: skip
     """The description of a `Program` (steady.cpp's `parse_program`) that repeats the recorded call
     for other tensors of the same shapes.
 
@@ -180,17 +180,17 @@ def describe_program(
         runtime_tensors: the tensors the runtime owns (their addresses stay in the program).
         comm_stream: the communication stream (`torch.cuda.Stream`) every launch must be on.
         inputs: the call's tensors (or `None`) in the order `Program.run` will get them.
-        results: the tensors the call returns (or `None`), each an input, a view of an allocation,
-            or (`clones`: result index -> input index) a copy of an input.
+        results: the tensors the call returns (or `None`), each an input or a view of an allocation.
         part: which part of the recording, and what in it follows the call's values.
         grouped: the results (indices) whose allocations share one (a handle's tensors: they live and
             die together, and one allocation costs the host less than several);
             `group_unreturned`: also the allocations no result returns.
 
     Returns:
-        `(description, sources, keep)`: per result, `k >= 0` for the program's output `k`, `-1 - i`
-        for input `i`, `None` for none; `keep`, the runtime tensors the program points at. Or the
-        reason it cannot be made.
+        `(description, keep)`: the description ends with where each result comes from (`k >= 0`: the
+        program's output `k`, `-1 - i`: input `i`, `None`: none), so that `Program.run` returns the
+        results in order; `keep`, the runtime tensors the program points at. Or the reason it cannot
+        be made.
     """
     if recorder.problem is not None:
         return recorder.problem
@@ -239,27 +239,20 @@ def describe_program(
         shape = tuple(tensor.shape)
         if rows in part.rows:  # its first dimension is the call's value (its strides do not depend on it)
             shape = (-1 - value_of[rows], *shape[1:])
-        allocs.append((tensor.dtype, shape, tuple(tensor.stride()), -1))
+        allocs.append((tensor.dtype, shape, tuple(tensor.stride())))
     outputs, result_sources, output_of = [], [], {}
     storages = {t.untyped_storage().data_ptr(): j for j, t in enumerate(recorded_allocs)}
     for index, tensor in enumerate(results):
         if tensor is None:
             result_sources.append(None)
             continue
-        if index in clones:
-            original = inputs[clones[index]]
-            if original is None or not original.is_contiguous():
-                return "a copy of a non-contiguous input"
-            allocs.append((original.dtype, tuple(original.shape), tuple(original.stride()), clones[index]))
-            alloc = len(allocs) - 1
-        else:
-            given = next((i for i, t in enumerate(inputs) if t is tensor), None)
-            if given is not None:
-                result_sources.append(-1 - given)
-                continue
-            alloc = storages.get(tensor.untyped_storage().data_ptr())
-            if alloc is None:
-                return "a result that is neither an input nor an allocation of the call"
+        given = next((i for i, t in enumerate(inputs) if t is tensor), None)
+        if given is not None:
+            result_sources.append(-1 - given)
+            continue
+        alloc = storages.get(tensor.untyped_storage().data_ptr())
+        if alloc is None:
+            return "a result that is neither an input nor an allocation of the call"
         shape = tuple(tensor.shape)
         if any(dim < 0 for dim in allocs[alloc][1]):  # rows that are the call's value: only returned whole
             whole = recorded_allocs[alloc]
@@ -281,22 +274,22 @@ def describe_program(
         comm_stream.device_index,
         (comm_stream.stream_id, comm_stream.device_index, comm_stream.device_type, comm_stream.cuda_stream),
         async_with_compute_stream, allocate_on_comm_stream, not avoid_record_stream(), input_specs, tuple(allocs),
-        tuple(outputs), tuple(launches), part.begins, part.ends, len(part.values),
+        tuple(outputs), tuple(launches), part.begins, part.ends, len(part.values), tuple(result_sources),
     )  # fmt: skip
-    return description, tuple(result_sources), keep
+    return description, keep
 
 
 class Entry:
-    """A recorded shape: its program, where each result comes from, and the templates of the
-    objects a call returns. A CPU-sync dispatch has two programs: `first` (up to the host's wait
+    """A recorded shape: its program (which returns the call's results in order) and the templates
+    of the objects a call returns. A CPU-sync dispatch has two programs: `first` (up to the host's wait
     for the counts) and `program` (the rest), and what its replay does with rejected routing
     (`drain`) on how many SMs its communication kernel runs (`busy_sms`)."""
 
-    __slots__ = ("busy_sms", "drain", "first", "handle", "keep", "program", "result_sources", "state")
+    __slots__ = ("busy_sms", "drain", "first", "handle", "keep", "program", "state")
 
-    def __init__(self, program: Any, result_sources: tuple[int | None, ...], keep: list[torch.Tensor],
-                 handle: EPHandle | None = None, state: Any = None) -> None:  # fmt: skip
-        self.program, self.result_sources, self.keep = program, result_sources, keep
+    def __init__(self, program: Any, keep: list[torch.Tensor], handle: EPHandle | None = None,
+                 state: Any = None) -> None:  # fmt: skip
+        self.program, self.keep = program, keep
         self.handle, self.state = handle, state
         self.first: Any = None
         self.drain: Callable[[], None] | None = None
@@ -304,34 +297,33 @@ class Entry:
 
 
 def _copy_with(template: Any, names: tuple[str, ...], values: Sequence[Any]) -> Any:
-    """A shallow copy of `template` (a plain object) with `names` set to `values`."""
+    """A shallow copy of `template` (a plain object) with `names` set to `values` (as many)."""
     copy = object.__new__(type(template))
     fields = template.__dict__.copy()
-    fields.update(zip(names, values, strict=True))
+    fields.update(zip(names, values, strict=False))  # the same lengths by construction; strict costs 0.25 us
     copy.__dict__ = fields
     return copy
 
 
-def _results(entry: Entry, outputs: tuple, inputs: tuple) -> list:
-    """A replay's results: per `Entry.result_sources`, a program output, an input or `None`."""
-    return [None if s is None else outputs[s] if s >= 0 else inputs[-1 - s] for s in entry.result_sources]
+# Where a fresh dispatch's run puts the new handle's tensors and its backend state's
+_HANDLE_SLICE = slice(len(RESULT_FIELDS), len(RESULT_FIELDS) + len(HANDLE_FIELDS))
+_STATE_SLICE = slice(_HANDLE_SLICE.stop, _HANDLE_SLICE.stop + len(STATE_FIELDS))
 
 
 def _fresh_handle(entry: Entry, values: Sequence[Any]) -> EPHandle:
     """A fresh dispatch's new handle and backend state: the templates with this call's tensors
-    (`values`: its results, `RESULT_FIELDS` then `HANDLE_FIELDS` then `STATE_FIELDS`)."""
-    num_results, num_handle = len(RESULT_FIELDS), len(HANDLE_FIELDS)
-    handle = _copy_with(entry.handle, HANDLE_FIELDS, values[num_results : num_results + num_handle])
-    handle.backend_state = _copy_with(entry.state, STATE_FIELDS, values[num_results + num_handle :])
+    (`values`: what its run returned, `RESULT_FIELDS` then `HANDLE_FIELDS` then `STATE_FIELDS`)."""
+    handle = _copy_with(entry.handle, HANDLE_FIELDS, values[_HANDLE_SLICE])
+    handle.backend_state = _copy_with(entry.state, STATE_FIELDS, values[_STATE_SLICE])
     return handle
 
 
-def _dispatch_results(values: Sequence[Any], handle: EPHandle, event: Any) -> tuple:
-    """V2's results of a dispatch: `(recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights,
-    handle, EventOverlap)`."""
+def _dispatch_results(values: Sequence[Any], handle: EPHandle) -> tuple:
+    """V2's results of a dispatch (`values`: what its run returned, the end event last):
+    `(recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights, handle, EventOverlap)`."""
     recv_x, recv_scales, recv_topk_idx, recv_topk_weights = values[: len(RESULT_FIELDS)]
     recv = recv_x if recv_scales is None else (recv_x, recv_scales)
-    return recv, recv_topk_idx, recv_topk_weights, handle, EventOverlap(EventHandle.of(event))
+    return recv, recv_topk_idx, recv_topk_weights, handle, EventOverlap(EventHandle.of(values[-1]))
 
 
 def previous_event_handle(previous_event: EventHandle | None) -> int | None:
@@ -464,21 +456,18 @@ class SteadyPath:
             self.entries[key] = None
             self.declined[key] = built
             return
-        description, result_sources, keep = built
-        self.entries[key] = Entry(self.module.Program(description), result_sources, keep, handle, state)
+        description, keep = built
+        self.entries[key] = Entry(self.module.Program(description), keep, handle, state)
 
     def _record_dispatch(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, handle: EPHandle,
-                        fresh: bool, do_handle_copy: bool, request: Any, async_with_compute_stream: bool,
+                        fresh: bool, request: Any, async_with_compute_stream: bool,
                         allocate_on_comm_stream: bool) -> None:  # fmt: skip
         """Make the program of a dispatch the Python path just ran (`inputs`: `dispatch_inputs`)."""
         synced = fresh and request.do_cpu_sync
         results = [getattr(result, name) for name in RESULT_FIELDS]
-        clones: dict[int, int] = {}
-        if fresh:
+        if fresh:  # the handle's copy of `topk_idx` is an allocation of the call (the dispatch kernel's)
             results += [getattr(handle, name) for name in HANDLE_FIELDS]
             results += [getattr(handle.backend_state, name) for name in STATE_FIELDS]
-            if do_handle_copy:
-                clones[len(RESULT_FIELDS)] = 2  # the handle's copy of topk_idx
         flags = (bool(async_with_compute_stream), bool(allocate_on_comm_stream))
         own = _runtime_tensors(self.runtime)
         first = None
@@ -495,7 +484,7 @@ class SteadyPath:
         # caller frees `recv_x` long before the handle)
         grouped = range(len(RESULT_FIELDS), len(results))
         built = part if isinstance(part, str) else describe_program(own, self.comm_stream, recorder, inputs, results,
-                                                                    clones, *flags, part, grouped, True)  # fmt: skip
+                                                                    *flags, part, grouped, True)  # fmt: skip
         templates: tuple[Any, Any] = (None, None)
         if fresh:  # without tensors: a template must not keep the recorded call's outputs alive
             state = _copy_with(handle.backend_state, STATE_FIELDS, [None] * len(STATE_FIELDS))
@@ -521,7 +510,7 @@ class SteadyPath:
         part = Part(allocs=slice(0, num_allocs), launches=slice(0, num_launches), ends=False, values=("sequence",),
                     fields={0: (sequence_field,)})  # fmt: skip
         carried = recorder.allocs[:num_allocs]
-        first = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs, carried, {},
+        first = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs, carried,
                                  *flags, part, range(len(carried)))  # fmt: skip
         if isinstance(first, str):
             return None, inputs, first
@@ -542,16 +531,16 @@ class SteadyPath:
                     (0, combine.num_meta_rows.offset, combine.num_meta_rows.size, "meta")),
                 1: ((0, epilogue.num_local_rows.offset, epilogue.num_local_rows.size, "rows"),)})  # fmt: skip
         built = describe_program(_runtime_tensors(self.runtime), self.comm_stream, recorder, inputs,
-                                 [result.combined_x, result.combined_topk_weights], {},
+                                 [result.combined_x, result.combined_topk_weights],
                                  bool(async_with_compute_stream), bool(allocate_on_comm_stream), part)  # fmt: skip
         self._remember(key, built)
 
     # ------------------------------------------------------------------------------- replays
 
     def _run(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
-             values: tuple = ()) -> tuple[list, Any] | None:  # fmt: skip
-        """The results (`Entry.result_sources`) and end event of one run of `entry.program`, or `None`
-        when it refused the inputs."""
+             values: tuple = ()) -> tuple | None:  # fmt: skip
+        """What one run of `entry.program` returned (the call's results, then its end event), or
+        `None` when it refused the inputs."""
         runtime, words = self.runtime, self.runtime.error_words
         # The runtime's checks, called only when their words say there is something to raise (a call
         # costs the host more than a read)
@@ -567,7 +556,7 @@ class SteadyPath:
         # An invalid `topk_idx` an earlier dispatch found on the device, raised once this call is enqueued
         if words[INPUT_ERROR_WORD]:
             runtime.take_input_error()
-        return _results(entry, outputs, inputs), outputs[-1]
+        return outputs
 
     def dispatch(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
                  handle: EPHandle | None) -> tuple | None:  # fmt: skip
@@ -580,20 +569,20 @@ class SteadyPath:
             num_out_rows, num_meta_rows = handle_rows(handle)
             grid = self.runtime.grid_for_rows(num_meta_rows, entry.busy_sms) + self.runtime.nic_ctas
             rows = (num_out_rows, num_meta_rows, grid)
-        done = self._run(entry, inputs, previous_event, rows)
-        if done is None:
+        values = self._run(entry, inputs, previous_event, rows)
+        if values is None:
             return None
-        values, event = done
         if handle is None:
             handle = _fresh_handle(entry, values)
             handle.num_recv_tokens_per_expert_list = []
-        return _dispatch_results(values, handle, event)
+        return _dispatch_results(values, handle)
 
     def _dispatch_synced(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> tuple | None:
         """Replay a CPU-sync dispatch: the first program, the host's wait for the counts (as the Python
         path waits), then the second with the output rows the counts give."""
-        runtime, template = self.runtime, entry.handle
-        runtime.check_error()
+        runtime, template, words = self.runtime, entry.handle, self.runtime.error_words
+        if words[0] or runtime.dead_reason is not None:  # as `_run`
+            runtime.check_error()
         sequence = runtime.next_counts_sequence()
         first = entry.first.run(inputs, previous_event_handle(previous_event), (sequence,))
         if first is None:
@@ -617,8 +606,8 @@ class SteadyPath:
                 num_out_rows = num_expanded if template.do_expand else num_recv_tokens
                 grid = runtime.grid_for_rows(num_recv_tokens, entry.busy_sms) + runtime.nic_ctas
                 inputs = (*inputs, *first[:-1])
-                outputs = entry.program.run(inputs, None, (num_out_rows, num_recv_tokens, grid))
-                if outputs is None:
+                values = entry.program.run(inputs, None, (num_out_rows, num_recv_tokens, grid))
+                if values is None:
                     raise RuntimeError("deep_ep steady path: the second part of a CPU-sync dispatch refused its inputs")
         except BaseException as error:
             runtime.fail_between_launches("dispatch", error)
@@ -627,14 +616,14 @@ class SteadyPath:
             raise_rejected_routing(runtime, inputs[2], template.num_experts)
         self.num_calls += 1
         runtime.num_experts_checked = template.num_experts
-        runtime.take_input_error()
-        values = _results(entry, outputs, inputs)
+        if words[INPUT_ERROR_WORD]:
+            runtime.take_input_error()
         handle = _fresh_handle(entry, values)
         state = handle.backend_state
         state.num_out_rows, state.num_meta_rows, state.num_expanded_rows = num_out_rows, num_recv_tokens, num_expanded
         handle.num_recv_tokens, handle.num_expanded_tokens = num_recv_tokens, num_expanded
         handle.num_recv_tokens_per_expert_list = counts_list
-        return _dispatch_results(values, handle, outputs[-1])
+        return _dispatch_results(values, handle)
 
     def combine(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
                 handle: EPHandle) -> tuple | None:  # fmt: skip
@@ -643,7 +632,7 @@ class SteadyPath:
         done = self._run(entry, inputs, previous_event, handle_rows(handle) if handle.do_cpu_sync else ())
         if done is None:
             return None
-        (combined_x, combined_topk_weights), event = done
+        combined_x, combined_topk_weights, event = done
         return combined_x, combined_topk_weights, EventOverlap(EventHandle.of(event))
 
     @staticmethod

@@ -56,6 +56,7 @@ struct DispatchArgs {
     const int4* x;                    // [num_tokens, hidden bytes / 16]
     const int* x_scales;              // [num_tokens, scale bytes / 4] or null
     const int64_t* topk_idx;          // [num_tokens, topk] global expert ids, -1 = none
+    int64_t* topk_idx_copy;           // [num_tokens, topk]: the handle's copy of topk_idx (fresh), or null
     const float* topk_weights;        // [num_tokens, topk] or null
     int* slot_idx;                    // [num_tokens, num_ranks]: written (fresh) or read (cached); -1 = not sent
     int* dst_slot_idx;                // [num_tokens, topk]: per lane, the slot at the lane's rank (fresh), or null
@@ -247,6 +248,14 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& args, const Tr
             int num_hits[kRanksPerLane] = {};
             int num_node_hits = 0;  // lane n: node n's
             for (int base = g * tokens_per_group; base < group_end(g); base += 32) {
+                if (args.topk_idx_copy != nullptr) {
+                    // The handle's copy of these rows, made here: a copy launch of its own costs the
+                    // host as much as a kernel's
+                    const int64_t first = static_cast<int64_t>(base) * kNumTopk;
+                    const int num_words = (min(base + 32, group_end(g)) - base) * kNumTopk;
+                    for (int i = lane_idx; i < num_words; i += 32)
+                        args.topk_idx_copy[first + i] = __ldg(args.topk_idx + first + i);
+                }
                 const int t = base + lane_idx;
                 bool is_bad_row = false;
                 const uint64_t ranks = t < group_end(g)
