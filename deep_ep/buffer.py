@@ -685,7 +685,6 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             torch.cuda.synchronize(self.device)
 
     # Communication
-    @_one_thread_at_a_time
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -745,25 +744,49 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             handle: the `EPHandle` (the given one for a cached dispatch).
             event: an `EventOverlap` marking the end of the communication.
         """
-        steady, key = self._steady, None
-        if steady is not None:
-            key = steady.dispatch_key(
-                x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
+        # `_one_thread_at_a_time`, written out: forwarding every argument costs the host microseconds
+        if not self._in_use.acquire(blocking=False):
+            raise _in_use_error(self)
+        self._user = threading.current_thread()
+        try:
+            steady, key = self._steady, None
+            if steady is not None:
+                key = steady.dispatch_key(
+                    x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
+                    expert_alignment, num_sms, num_qps, previous_event, previous_event_before_epilogue,
+                    async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync, do_expand,
+                    do_zero_padding, use_tma_aligned_col_major_sf,
+                )  # fmt: skip
+                entry = steady.entries.get(key) if key is not None else None
+                if entry is not None and self._failure is None and not self._agrs.engine_open:
+                    inputs = steady.dispatch_inputs(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                                                    handle)  # fmt: skip
+                    try:  # `_run`, written out: its closure costs the host a microsecond on every call
+                        done = steady.dispatch(entry, inputs, previous_event, handle)
+                    except BaseException as error:
+                        self._failed("dispatch", error)
+                        raise
+                    if done is not None:
+                        return done
+            return self._dispatch_python(
+                key, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
                 expert_alignment, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                 async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync, do_expand,
                 do_zero_padding, use_tma_aligned_col_major_sf,
             )  # fmt: skip
-            entry = steady.entries.get(key) if key is not None else None
-            if entry is not None and self._failure is None and not self._agrs.engine_open:
-                inputs = steady.dispatch_inputs(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, handle)
-                try:  # `_run`, written out: its closure costs the host a microsecond on every call
-                    done = steady.dispatch(entry, inputs, previous_event, handle)
-                except BaseException as error:
-                    self._failed("dispatch", error)
-                    raise
-                if done is not None:
-                    return done
-        backend = self._live_backend("dispatch")
+        finally:
+            self._in_use.release()
+
+    def _dispatch_python(
+        self, key: tuple | None, x: Any, topk_idx: Any, topk_weights: Any, cumulative_local_expert_recv_stats: Any,
+        num_experts: Any, num_max_tokens_per_rank: Any, expert_alignment: Any, num_sms: Any, num_qps: Any,
+        previous_event: Any, previous_event_before_epilogue: Any, async_with_compute_stream: Any,
+        allocate_on_comm_stream: Any, handle: Any, do_handle_copy: Any, do_cpu_sync: Any, do_expand: Any,
+        do_zero_padding: Any, use_tma_aligned_col_major_sf: Any,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:  # fmt: skip
+        """`dispatch` on the Python path (every argument checked, the backend's launch sequence), which
+        the steady path records under `key` when that shape has no program yet."""
+        backend, steady = self._live_backend("dispatch"), self._steady
 
         def check() -> tuple[DispatchRequest, bool]:
             self._check_window_free("dispatch")
@@ -859,7 +882,6 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, handle, event
 
-    @_one_thread_at_a_time
     def combine(
         self,
         x: torch.Tensor,
@@ -895,22 +917,38 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             combined_topk_weights: `[T, K]` `torch.float32` (the holders' weights, `0` on `-1` lanes), or `None`.
             event: an `EventOverlap` marking the end of the communication.
         """
-        steady, key = self._steady, None
-        if steady is not None:
-            key = steady.combine_key(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
-                                     previous_event_before_epilogue, async_with_compute_stream,
-                                     allocate_on_comm_stream)  # fmt: skip
-            entry = steady.entries.get(key) if key is not None else None
-            if entry is not None and self._failure is None and not self._agrs.engine_open:
-                inputs = steady.combine_inputs(x, handle, topk_weights, bias)
-                try:  # `_run`, written out (see dispatch)
-                    done = steady.combine(entry, inputs, previous_event, handle)
-                except BaseException as error:
-                    self._failed("combine", error)
-                    raise
-                if done is not None:
-                    return done
-        backend = self._live_backend("combine")
+        if not self._in_use.acquire(blocking=False):  # `_one_thread_at_a_time`, written out (see dispatch)
+            raise _in_use_error(self)
+        self._user = threading.current_thread()
+        try:
+            steady, key = self._steady, None
+            if steady is not None:
+                key = steady.combine_key(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
+                                         previous_event_before_epilogue, async_with_compute_stream,
+                                         allocate_on_comm_stream)  # fmt: skip
+                entry = steady.entries.get(key) if key is not None else None
+                if entry is not None and self._failure is None and not self._agrs.engine_open:
+                    inputs = steady.combine_inputs(x, handle, topk_weights, bias)
+                    try:  # `_run`, written out (see dispatch)
+                        done = steady.combine(entry, inputs, previous_event, handle)
+                    except BaseException as error:
+                        self._failed("combine", error)
+                        raise
+                    if done is not None:
+                        return done
+            return self._combine_python(key, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
+                                        previous_event_before_epilogue, async_with_compute_stream,
+                                        allocate_on_comm_stream)  # fmt: skip
+        finally:
+            self._in_use.release()
+
+    def _combine_python(
+        self, key: tuple | None, x: Any, handle: Any, topk_weights: Any, bias: Any, num_sms: Any, num_qps: Any,
+        previous_event: Any, previous_event_before_epilogue: Any, async_with_compute_stream: Any,
+        allocate_on_comm_stream: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:  # fmt: skip
+        """`combine` on the Python path, recorded for the steady path under `key` (as `_dispatch_python`)."""
+        backend, steady = self._live_backend("combine"), self._steady
 
         def check() -> CombineRequest:
             self._check_window_free("combine")

@@ -160,9 +160,13 @@ class NvlinkBackend(EPBackend):
         if handle is None:
             dst_slot = out["dst_slot_idx"]  # written by the dispatch kernel
             counts_list = out["num_recv_tokens_per_expert_host"]
-        else:
+            psum_per_rank = out["psum_num_recv_tokens_per_rank"]
+            psum_per_expert = out["psum_num_recv_tokens_per_expert"]
+        else:  # the handle's (a cached dispatch's epilogue writes no prefix sums)
             dst_slot = handle.dst_buffer_slot_idx
             counts_list = handle.num_recv_tokens_per_expert_list
+            psum_per_rank = handle.psum_num_recv_tokens_per_scaleup_rank
+            psum_per_expert = handle.psum_num_recv_tokens_per_expert
         return DispatchResult(
             recv_x=out["recv_x"],
             recv_scales=out["recv_scales"],
@@ -171,8 +175,8 @@ class NvlinkBackend(EPBackend):
             num_recv_tokens=state.num_meta_rows,
             num_expanded_tokens=state.num_expanded_rows,
             num_recv_tokens_per_expert_list=counts_list,
-            psum_num_recv_tokens_per_scaleup_rank=out["psum_num_recv_tokens_per_rank"],
-            psum_num_recv_tokens_per_expert=out["psum_num_recv_tokens_per_expert"],
+            psum_num_recv_tokens_per_scaleup_rank=psum_per_rank,
+            psum_num_recv_tokens_per_expert=psum_per_expert,
             num_unaligned_recv_tokens_per_expert=out["num_recv_tokens_per_expert"],
             recv_src_metadata=out["recv_src_metadata"],
             dst_buffer_slot_idx=dst_slot,

@@ -53,9 +53,10 @@ class NvlinkDispatchState:
 
 def _dispatch_outputs(
     runtime: NvlinkRuntime, num_out_rows: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_topk: int,
-    has_weights: bool, do_expand: bool, col_major_scales: bool, num_local_experts: int,
+    has_weights: bool, do_expand: bool, col_major_scales: bool, num_local_experts: int, fresh: bool,
 ) -> dict:  # fmt: skip
-    """The output tensors of one dispatch with `num_out_rows` rows (exact or worst case)."""
+    """The output tensors of one dispatch with `num_out_rows` rows (exact or worst case); the handle's
+    prefix sums only in a fresh dispatch (a cached one has its handle's)."""
     empty, device = runtime.empty, x.device
     out: dict[str, Any] = {"recv_x": empty((num_out_rows, x.shape[1]), dtype=x.dtype, device=device, rows="out")}
     out["recv_scales"], out["scale_col_stride"] = None, 0
@@ -74,8 +75,10 @@ def _dispatch_outputs(
     if has_weights:
         shape = (num_out_rows,) if do_expand else (num_out_rows, num_topk)
         out["recv_topk_weights"] = empty(shape, dtype=torch.float32, device=device, rows="out")
-    out["psum_num_recv_tokens_per_rank"] = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
-    out["psum_num_recv_tokens_per_expert"] = empty((num_local_experts,), dtype=torch.int32, device=device)
+    out["psum_num_recv_tokens_per_rank"] = out["psum_num_recv_tokens_per_expert"] = None
+    if fresh:
+        out["psum_num_recv_tokens_per_rank"] = empty((runtime.num_ranks,), dtype=torch.int32, device=device)
+        out["psum_num_recv_tokens_per_expert"] = empty((num_local_experts,), dtype=torch.int32, device=device)
     return out
 
 
@@ -161,7 +164,8 @@ def run_dispatch(
     Returns:
         A dict of `recv_x`, `recv_scales`, `recv_topk_idx`, `recv_topk_weights`,
         `recv_src_metadata`, `psum_num_recv_tokens_per_rank`, `num_recv_tokens_per_expert`,
-        `psum_num_recv_tokens_per_expert`, `num_recv_tokens_per_expert_host` (list or None),
+        `psum_num_recv_tokens_per_expert` (both prefix sums None in a cached dispatch: the handle has
+        them), `num_recv_tokens_per_expert_host` (list or None),
         `num_recv_tokens` (int), `num_out_rows` (int), `dst_slot_idx`, `num_masked_lanes` (`[1]` int32,
         fresh dispatches of a buffer with rank masking, else None), `topk_idx_copy` (`[num_tokens, num_topk]`
         int64 with `do_handle_copy` in a fresh dispatch, else None) and `state`.
@@ -224,7 +228,7 @@ def run_dispatch(
         recv_src_metadata = empty((max_recv, 2 + num_topk), dtype=torch.int32, device=device)
     if state is not None:
         outputs = _dispatch_outputs(runtime, state.num_out_rows, x, x_scales, num_topk, topk_weights is not None,
-                                    do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
+                                    do_expand, use_tma_aligned_col_major_sf, num_local_experts, fresh)  # fmt: skip
 
     counts_sequence = runtime.next_counts_sequence() if state is None else 0  # CPU sync: counts to the host
     dispatch_args = specs.DispatchArgs(
@@ -287,7 +291,7 @@ def run_dispatch(
                 recv_src_metadata = empty((num_recv_tokens, 2 + num_topk), dtype=torch.int32, device=device,
                                           rows="meta")  # fmt: skip
                 outputs = _dispatch_outputs(runtime, num_out_rows, x, x_scales, num_topk, topk_weights is not None,
-                                            do_expand, use_tma_aligned_col_major_sf, num_local_experts)  # fmt: skip
+                                            do_expand, use_tma_aligned_col_major_sf, num_local_experts, fresh)  # fmt: skip
         if not rejected:
             # The epilogue runs next to the dispatch kernel, also after a CPU sync (the host waited
             # for the counts only, which come before the kernel's sends, or with rank masking on

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from deep_ep.errors import EPError, EPOperationMismatchError, EPPeerError, EPTimeoutError
-from deep_ep.host_reads import wait_for_stream
+from deep_ep.host_reads import poll_pause, wait_for_stream
 from deep_ep.jit import I32, U64, Opaque
 from deep_ep.records import WORKSPACE_BYTES
 
@@ -242,7 +242,8 @@ class NvlinkRuntime:
         self.host_counts = torch.zeros(num_count_words, dtype=torch.int32, pin_memory=True)
         self.counts_ready = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._counts_ready_word = ctypes.c_uint64.from_address(self.counts_ready.data_ptr())
-        self._count_words = (ctypes.c_int32 * num_count_words).from_address(self.host_counts.data_ptr())
+        words = (ctypes.c_int32 * num_count_words).from_address(self.host_counts.data_ptr())
+        self._count_words = memoryview(words).cast("B").cast("i")
         self._counts_sequence = 0
         # The host's waits for counts so far, and their nanoseconds (the bench's count phase as the
         # host sees it: the kernel's launch latency and its count exchange)
@@ -467,8 +468,8 @@ class NvlinkRuntime:
 
     def read_counts(self, num_words: int) -> list[int]:
         """The first `num_words` words of `host_counts` (read in place: a tensor's `tolist` costs
-        microseconds)."""
-        return self._count_words[:num_words]
+        microseconds, a ctypes slice a few)."""
+        return self._count_words[:num_words].tolist()
 
     def _wait_counts(self, stream: torch.cuda.Stream, sequence: int) -> None:
         ready = self._counts_ready_word
@@ -489,7 +490,7 @@ class NvlinkRuntime:
                 self.dead_reason = f"host wait for dispatch counts on rank {self.rank} passed {self.cpu_timeout_s:g} s"
                 self._dead_error = EPTimeoutError
                 raise EPTimeoutError(self.dead_reason)
-            time.sleep(0 if elapsed < _SPIN_S else 1e-4)
+            poll_pause(elapsed < _SPIN_S)
         if ready.value == sequence:
             return
         self.wait(stream, "dispatch counts")  # raises the device's fault

@@ -133,8 +133,8 @@ __device__ __forceinline__ void dispatch_epilogue_body(const DispatchEpilogueArg
         }
         __syncthreads();
 
-        // Handle prefix sums
-        if (blockIdx.x == 0) {
+        // Handle prefix sums (a cached dispatch's are its handle's already)
+        if (blockIdx.x == 0 and not args.is_cached) {
             if (threadIdx.x < kNumRanks) args.psum_num_recv_tokens_per_rank[threadIdx.x] = psum_src[threadIdx.x + 1];
             for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads)
                 args.psum_num_recv_tokens_per_expert[e] =
