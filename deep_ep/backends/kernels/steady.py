@@ -546,7 +546,8 @@ class SteadyPath:
         # costs the host more than a read)
         if words[0] or runtime.dead_reason is not None:
             runtime.check_error()
-        outputs = entry.program.run(inputs, previous_event_handle(previous_event), values)
+        event = None if previous_event is None else previous_event_handle(previous_event)  # a call less, mostly
+        outputs = entry.program.run(inputs, event, values)
         if outputs is None:
             self.num_refused += 1
             return None
@@ -588,6 +589,10 @@ class SteadyPath:
         if first is None:
             self.num_refused += 1
             return None
+        # While the kernel counts, what needs no counts: the second part's inputs, the new handle
+        inputs = (*inputs, *first[:-1])
+        handle = _copy_with(template, (), ())
+        state = handle.backend_state = _copy_with(entry.state, (), ())
         num_ranks = runtime.num_ranks
         rejected = False
         try:
@@ -605,7 +610,6 @@ class SteadyPath:
                 num_expanded = sum(counts_list)
                 num_out_rows = num_expanded if template.do_expand else num_recv_tokens
                 grid = runtime.grid_for_rows(num_recv_tokens, entry.busy_sms) + runtime.nic_ctas
-                inputs = (*inputs, *first[:-1])
                 values = entry.program.run(inputs, None, (num_out_rows, num_recv_tokens, grid))
                 if values is None:
                     raise RuntimeError("deep_ep steady path: the second part of a CPU-sync dispatch refused its inputs")
@@ -618,11 +622,10 @@ class SteadyPath:
         runtime.num_experts_checked = template.num_experts
         if words[INPUT_ERROR_WORD]:
             runtime.take_input_error()
-        handle = _fresh_handle(entry, values)
-        state = handle.backend_state
-        state.num_out_rows, state.num_meta_rows, state.num_expanded_rows = num_out_rows, num_recv_tokens, num_expanded
-        handle.num_recv_tokens, handle.num_expanded_tokens = num_recv_tokens, num_expanded
-        handle.num_recv_tokens_per_expert_list = counts_list
+        handle.__dict__.update(zip(HANDLE_FIELDS, values[_HANDLE_SLICE], strict=True), num_recv_tokens=num_recv_tokens,
+                               num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=counts_list)  # fmt: skip
+        state.__dict__.update(zip(STATE_FIELDS, values[_STATE_SLICE], strict=True), num_out_rows=num_out_rows,
+                              num_meta_rows=num_recv_tokens, num_expanded_rows=num_expanded)  # fmt: skip
         return _dispatch_results(values, handle)
 
     def combine(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
