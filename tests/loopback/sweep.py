@@ -202,6 +202,7 @@ def _run_case_once(buffers: dict, rank: int, num_ranks: int, case: dict[str, Any
     _raise_device_failure(kernels_buf)
     handle = check_dispatch(out_k, out_r, case["expand"], case["zero_padding"], "fresh dispatch")
     # The handle's own copy of the routing (the dispatch kernel's), or the caller's tensor itself
+    equal(handle.topk_idx, topk_idx, "handle.topk_idx")
     assert (handle.topk_idx.data_ptr() != topk_idx.data_ptr()) == (case["handle_copy"] and num_tokens > 0), case
     if stats:
         equal(stats["kernels"] - start["kernels"], handle.num_unaligned_recv_tokens_per_expert, "stats increment")

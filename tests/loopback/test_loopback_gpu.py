@@ -329,17 +329,24 @@ def _between_launches_rank(rank: int, group: dist.ProcessGroup) -> dict:
     buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)  # kernels loaded
     outcome: dict = {}
     if rank == 0:
-        # The exact outputs of a CPU-sync dispatch are allocated after its first launch: fail there
+        # The exact outputs of a CPU-sync dispatch are allocated after its first launch: fail at the
+        # first allocation after a launch
         runtime = buf.backend.runtime
-        calls = {"n": 0}
-        real_empty = runtime.share.empty
+        buf._steady = None  # the Python path's allocations and launches (a replay makes its own in C++)
+        state = {"launched": False, "failed": False}
+        real_empty, real_launch = runtime.share.empty, runtime.launch
+
+        def noting_launch(*args, **kwargs):
+            state["launched"] = True
+            return real_launch(*args, **kwargs)
 
         def failing_empty(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 5:
+            if state["launched"] and not state["failed"]:
+                state["failed"] = True
                 raise torch.cuda.OutOfMemoryError("injected after the first launch")
             return real_empty(*args, **kwargs)
 
+        runtime.launch = noting_launch
         runtime.share = dataclasses.replace(runtime.share, empty=failing_empty)
         try:
             buf.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
