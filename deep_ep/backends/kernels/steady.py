@@ -349,11 +349,13 @@ class SteadyPath:
         self.num_refused = 0  # calls a program refused (an input unlike its recording): the Python path's
 
     def phase_ns(self) -> dict[str, int]:
-        """Host nanoseconds per phase (`PHASES`) summed over this buffer's replays so far."""
+        """Host nanoseconds per phase (`PHASES`) summed over this buffer's replays so far (both
+        programs of a CPU-sync dispatch)."""
         totals = [0] * len(PHASES)
         for entry in self.entries.values():
-            if entry is not None:
-                totals = [a + b for a, b in zip(totals, entry.program.phase_ns, strict=True)]
+            for program in () if entry is None else (entry.program, entry.first):
+                if program is not None:
+                    totals = [a + b for a, b in zip(totals, program.phase_ns, strict=True)]
         return dict(zip(PHASES, totals, strict=True))
 
     # ----------------------------------------------------------------------------------- keys
