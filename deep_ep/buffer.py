@@ -65,13 +65,19 @@ def _handle_topk_idx(request: DispatchRequest, result: Any) -> torch.Tensor:
     return result.handle_topk_idx if result.handle_topk_idx is not None else request.topk_idx.clone()
 
 
-@contextlib.contextmanager
-def _the_only_thread(buffer: ElasticBuffer) -> Iterator[None]:
-    """Raise `RuntimeError` when another thread is inside a call of the same buffer: the calls are
-    collective, and two threads would interleave their steps (validation and status exchange included)."""
+def _enter(buffer: ElasticBuffer) -> None:
+    """Take `buffer` for this thread's call (the caller releases `buffer._in_use`), or raise
+    `RuntimeError` when another thread is inside a call of it: the calls are collective, and two
+    threads would interleave their steps (validation and status exchange included)."""
     if not buffer._in_use.acquire(blocking=False):
         raise _in_use_error(buffer)
-    buffer._user = threading.current_thread()
+    buffer._user = threading.current_thread()  # its name only for the error (a property: costs the host)
+
+
+@contextlib.contextmanager
+def _the_only_thread(buffer: ElasticBuffer) -> Iterator[None]:
+    """A block inside `_enter(buffer)`."""
+    _enter(buffer)
     try:
         yield
     finally:
@@ -79,14 +85,12 @@ def _the_only_thread(buffer: ElasticBuffer) -> Iterator[None]:
 
 
 def _one_thread_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
-    """`method` inside `_the_only_thread`, written out: a generator-based context manager costs
-    microseconds on every dispatch and combine."""
+    """`method` inside `_enter`, written out: a generator-based context manager costs microseconds
+    per call. (`dispatch` and `combine` enter themselves: forwarding their arguments costs too.)"""
 
     @functools.wraps(method)
     def guarded(self: ElasticBuffer, *args: Any, **kwargs: Any) -> Any:
-        if not self._in_use.acquire(blocking=False):
-            raise _in_use_error(self)
-        self._user = threading.current_thread()  # its name only for the error (a property: costs the host)
+        _enter(self)
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -744,10 +748,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             handle: the `EPHandle` (the given one for a cached dispatch).
             event: an `EventOverlap` marking the end of the communication.
         """
-        # `_one_thread_at_a_time`, written out: forwarding every argument costs the host microseconds
-        if not self._in_use.acquire(blocking=False):
-            raise _in_use_error(self)
-        self._user = threading.current_thread()
+        _enter(self)  # not `_one_thread_at_a_time`: forwarding every argument costs the host microseconds
         try:
             steady, key = self._steady, None
             if steady is not None:
@@ -788,7 +789,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         the steady path records under `key` when that shape has no program yet."""
         backend, steady = self._live_backend("dispatch"), self._steady
 
-        def check() -> tuple[DispatchRequest, bool]:
+        def check() -> DispatchRequest:
             self._check_window_free("dispatch")
             request = validate_dispatch(
                 self._ctx,
@@ -917,9 +918,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
             combined_topk_weights: `[T, K]` `torch.float32` (the holders' weights, `0` on `-1` lanes), or `None`.
             event: an `EventOverlap` marking the end of the communication.
         """
-        if not self._in_use.acquire(blocking=False):  # `_one_thread_at_a_time`, written out (see dispatch)
-            raise _in_use_error(self)
-        self._user = threading.current_thread()
+        _enter(self)  # as dispatch
         try:
             steady, key = self._steady, None
             if steady is not None:

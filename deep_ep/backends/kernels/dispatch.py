@@ -233,7 +233,8 @@ def run_dispatch(
     counts_sequence = runtime.next_counts_sequence() if state is None else 0  # CPU sync: counts to the host
     dispatch_args = specs.DispatchArgs(
         window_base=runtime.windows.ptr, x=data_ptr(x), x_scales=data_ptr(x_scales), topk_idx=data_ptr(topk_idx),
-        topk_idx_copy=data_ptr(topk_idx_copy), topk_weights=data_ptr(topk_weights), slot_idx=data_ptr(slot_idx), dst_slot_idx=data_ptr(dst_slot_idx),
+        topk_idx_copy=data_ptr(topk_idx_copy), topk_weights=data_ptr(topk_weights), slot_idx=data_ptr(slot_idx),
+        dst_slot_idx=data_ptr(dst_slot_idx),
         layout_scratch=data_ptr(runtime.dispatch_scratch), num_tokens_per_rank=data_ptr(num_tokens_per_rank),
         num_recv_tokens_per_expert=data_ptr(num_recv_per_expert),
         counts_out=data_ptr(runtime.host_counts) if counts_sequence else 0,
