@@ -180,3 +180,33 @@ def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
     # A view of an allocation whose rows are the call's cannot be returned
     assert "a view of an allocation" in describe_program([scratch], stream, recorder, [x, slots], [rows[:5]],
                                                          False, False, second)  # fmt: skip
+
+
+def test_copy_with_makes_a_copy_of_a_template_with_the_named_fields_set():
+    module, reason = steady_module()
+    assert module is not None, reason
+    fields = {f"field_{i}": random.random() for i in range(random.randint(3, 9))}
+    template = _Template()
+    template.__dict__.update(fields)
+    names = tuple(random.sample(sorted(fields), 2))
+    values = tuple(torch.randn(2) for _ in range(5))
+    start = random.randint(0, 3)
+    copy = module.copy_with(template, names, values, start)
+    assert type(copy) is _Template and copy is not template
+    assert copy.__dict__ == fields | {names[0]: values[start], names[1]: values[start + 1]}
+    assert template.__dict__ == fields  # the template is left as it was
+    copy.other = 1  # the copy has a dict of its own
+    assert not hasattr(template, "other")
+    assert module.copy_with(template, (), (), 0).__dict__ == fields
+    with pytest.raises(ValueError, match="fewer than start"):
+        module.copy_with(template, names, values, 4)
+    with pytest.raises(ValueError, match="fewer than start"):
+        module.copy_with(template, names, values, -1)
+    with pytest.raises(TypeError, match="copy_with"):
+        module.copy_with(template, list(names), values, 0)
+    with pytest.raises(TypeError, match="names must be strings"):
+        module.copy_with(template, (1, 2), values, 0)
+
+
+class _Template:
+    """A plain class, as `EPHandle` and the kernels' handle state are."""

@@ -249,7 +249,7 @@ class NvlinkRuntime:
         # host sees it: the kernel's launch latency and its count exchange)
         self.num_counts_waits = 0
         self.counts_wait_ns = 0
-        self._counts_launched: torch.cuda.Event | None = None  # one event, recorded by every wait
+        self._counts_launched: torch.cuda.Event | None = None  # one event, recorded by the waits that pass a first check
         self.dispatch_scratch = torch.zeros(DISPATCH_SCRATCH_INTS, dtype=torch.int32, device="cuda")
         self._expand_scratch: torch.Tensor | None = None
         # What a failing rank posts to its peers, and the stream it posts on; made before the windows
@@ -475,16 +475,24 @@ class NvlinkRuntime:
         ready = self._counts_ready_word
         if ready.value == sequence:
             return
-        if self._counts_launched is None:
-            self._counts_launched = torch.cuda.Event()
-        launched = self._counts_launched
-        launched.record(stream)
+        # The event that tells a kernel done without its counts is recorded at the first check, not
+        # before the first poll: most waits end sooner, and a record costs the host a microsecond or
+        # two (recorded later it covers at least the kernel: no work of this call follows it yet)
+        launched = None
         started = time.monotonic()
         num_polls = 0
         while ready.value != sequence:
             num_polls += 1
-            if self.error_words[0] != 0 or (num_polls % 64 == 0 and launched.query() and ready.value != sequence):
-                break  # a fault, or the kernel is done without its counts
+            if self.error_words[0] != 0:
+                break  # a fault
+            if num_polls % 64 == 0:
+                if launched is None:
+                    if self._counts_launched is None:
+                        self._counts_launched = torch.cuda.Event()
+                    launched = self._counts_launched
+                    launched.record(stream)
+                elif launched.query() and ready.value != sequence:
+                    break  # the kernel is done without its counts
             elapsed = time.monotonic() - started
             if elapsed > self.cpu_timeout_s:
                 self.dead_reason = f"host wait for dispatch counts on rank {self.rank} passed {self.cpu_timeout_s:g} s"

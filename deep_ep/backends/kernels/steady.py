@@ -34,14 +34,16 @@ and `EP_CHECK_VALUES=1`. `EP_STEADY=0` turns the steady path off for new buffers
 Memory: the steady path allocates what the Python path does, from torch's CUDA caching allocator as
 V2 does (the compute stream's pool unless `allocate_on_comm_stream`, `record_stream` only in
 asynchronous calls; no pool of its own: a freed output's block is the allocator's to reuse, and
-10,000 calls of each operation leave the allocated bytes unchanged); the tensors a handle keeps
-(slots, counts, metadata, its copy of `topk_idx`) share one allocation per call. A program keeps
-alive only the runtime's own scratch tensors it points at.
+10,000 calls of each operation leave the allocated bytes unchanged); the small tensors of a call
+(`recv_topk_idx`, `recv_topk_weights` and the tensors a handle keeps: slots, counts, metadata, its
+copy of `topk_idx`) share one allocation, freed when the last of them dies; `recv_x` and its scales
+have their own. A program keeps alive only the runtime's own scratch tensors it points at.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -296,26 +298,11 @@ class Entry:
         self.busy_sms = 0
 
 
-def _copy_with(template: Any, names: tuple[str, ...], values: Sequence[Any]) -> Any:
-    """A shallow copy of `template` (a plain object) with `names` set to `values` (as many)."""
-    copy = object.__new__(type(template))
-    fields = template.__dict__.copy()
-    fields.update(zip(names, values, strict=False))  # the same lengths by construction; strict costs 0.25 us
-    copy.__dict__ = fields
-    return copy
-
-
 # Where a fresh dispatch's run puts the new handle's tensors and its backend state's
-_HANDLE_SLICE = slice(len(RESULT_FIELDS), len(RESULT_FIELDS) + len(HANDLE_FIELDS))
-_STATE_SLICE = slice(_HANDLE_SLICE.stop, _HANDLE_SLICE.stop + len(STATE_FIELDS))
-
-
-def _fresh_handle(entry: Entry, values: Sequence[Any]) -> EPHandle:
-    """A fresh dispatch's new handle and backend state: the templates with this call's tensors
-    (`values`: what its run returned, `RESULT_FIELDS` then `HANDLE_FIELDS` then `STATE_FIELDS`)."""
-    handle = _copy_with(entry.handle, HANDLE_FIELDS, values[_HANDLE_SLICE])
-    handle.backend_state = _copy_with(entry.state, STATE_FIELDS, values[_STATE_SLICE])
-    return handle
+_HANDLE_START = len(RESULT_FIELDS)
+_STATE_START = _HANDLE_START + len(HANDLE_FIELDS)
+_HANDLE_SLICE = slice(_HANDLE_START, _STATE_START)
+_STATE_SLICE = slice(_STATE_START, _STATE_START + len(STATE_FIELDS))
 
 
 def _dispatch_results(values: Sequence[Any], handle: EPHandle) -> tuple:
@@ -482,16 +469,19 @@ class SteadyPath:
                 part = "not two launches in a cached dispatch"
         else:
             part = Part()
-        # The handle's tensors (and what no result returns) share one allocation; the outputs do not (a
-        # caller frees `recv_x` long before the handle)
-        grouped = range(len(RESULT_FIELDS), len(results))
+        # One allocation for the small tensors: the received routing and weights, the handle's (and what
+        # no result returns); each allocation costs the host 1-2 us. `recv_x` and its scales have their own
+        # (a caller frees them long before the handle)
+        grouped = (RESULT_FIELDS.index("recv_topk_idx"), RESULT_FIELDS.index("recv_topk_weights"),
+                   *range(len(RESULT_FIELDS), len(results)))  # fmt: skip
         built = part if isinstance(part, str) else describe_program(own, self.comm_stream, recorder, inputs, results,
                                                                     *flags, part, grouped, True)  # fmt: skip
         templates: tuple[Any, Any] = (None, None)
         if fresh:  # without tensors: a template must not keep the recorded call's outputs alive
-            state = _copy_with(handle.backend_state, STATE_FIELDS, [None] * len(STATE_FIELDS))
-            templates = (_copy_with(handle, HANDLE_FIELDS, [None] * len(HANDLE_FIELDS)), state)
-            templates[0].backend_state = None
+            copy_with = self.module.copy_with
+            state = copy_with(handle.backend_state, STATE_FIELDS, (None,) * len(STATE_FIELDS), 0)
+            names = (*HANDLE_FIELDS, "backend_state")
+            templates = (copy_with(handle, names, (None,) * len(names), 0), state)
         self._remember(key, built, *templates)
         entry = self.entries.get(key)
         if entry is not None and recorder.launches:
@@ -575,8 +565,10 @@ class SteadyPath:
         values = self._run(entry, inputs, previous_event, rows)
         if values is None:
             return None
-        if handle is None:
-            handle = _fresh_handle(entry, values)
+        if handle is None:  # the templates with this call's tensors (steady.cpp's `copy_with`)
+            copy_with = self.module.copy_with
+            handle = copy_with(entry.handle, HANDLE_FIELDS, values, _HANDLE_START)
+            handle.backend_state = copy_with(entry.state, STATE_FIELDS, values, _STATE_START)
             handle.num_recv_tokens_per_expert_list = []
         return _dispatch_results(values, handle)
 
@@ -593,8 +585,9 @@ class SteadyPath:
             return None
         # While the kernel counts, what needs no counts: the second part's inputs, the new handle
         inputs = (*inputs, *first[:-1])
-        handle = _copy_with(template, (), ())
-        state = handle.backend_state = _copy_with(entry.state, (), ())
+        copy_with = self.module.copy_with
+        handle = copy_with(template, (), (), 0)
+        state = handle.backend_state = copy_with(entry.state, (), (), 0)
         num_ranks = runtime.num_ranks
         rejected = False
         try:
@@ -660,13 +653,17 @@ class SteadyPath:
                 handle.psum_num_recv_tokens_per_scaleup_rank, state.slot_idx, state.num_tokens_per_rank)  # fmt: skip
 
 
+# A handle's fields that decide the shapes of a cached dispatch or combine with it, read in one call
+_SHAPE_FIELDS = ("num_tokens", "do_expand", "num_experts", "num_max_tokens_per_rank", "expert_alignment", "num_sms",
+                 "hidden", "num_topk", "do_cpu_sync", "scale_kind")  # fmt: skip
+_synced_shape = operator.attrgetter(*_SHAPE_FIELDS)
+_exact_shape = operator.attrgetter(*_SHAPE_FIELDS, "num_recv_tokens", "num_expanded_tokens")
+
+
 def handle_shape(handle: EPHandle) -> tuple:
     """What of a handle decides the shapes of a cached dispatch or combine with it; a CPU-sync handle's
     row counts are not part of it (they are the call's values, `handle_rows`)."""
-    counts = (None, None) if handle.do_cpu_sync else (handle.num_recv_tokens, handle.num_expanded_tokens)
-    return (handle.num_tokens, *counts, handle.do_expand, handle.num_experts, handle.num_max_tokens_per_rank,
-            handle.expert_alignment, handle.num_sms, handle.hidden, handle.num_topk, handle.do_cpu_sync,
-            handle.scale_kind)  # fmt: skip
+    return _synced_shape(handle) if handle.do_cpu_sync else _exact_shape(handle)
 
 
 def _epilogue_row_fields() -> tuple[tuple[int, int, int, str], ...]:
