@@ -752,23 +752,20 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         try:
             steady, key = self._steady, None
             if steady is not None:
-                key = steady.dispatch_key(
-                    x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
-                    expert_alignment, num_sms, num_qps, previous_event, previous_event_before_epilogue,
-                    async_with_compute_stream, allocate_on_comm_stream, handle, do_handle_copy, do_cpu_sync, do_expand,
-                    do_zero_padding, use_tma_aligned_col_major_sf,
-                )  # fmt: skip
-                entry = steady.entries.get(key) if key is not None else None
-                if entry is not None and self._failure is None and not self._agrs.engine_open:
-                    inputs = steady.dispatch_inputs(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
-                                                    handle)  # fmt: skip
-                    try:  # `_run`, written out: its closure costs the host a microsecond on every call
-                        done = steady.dispatch(entry, inputs, previous_event, handle)
+                front = steady.front
+                args = (x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
+                        num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event,
+                        previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream, handle,
+                        do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)  # fmt: skip
+                if self._failure is None and not self._agrs.engine_open:
+                    try:  # a shape with a program: replayed by the front (steady_front.cpp)
+                        done = front.dispatch(*args)
                     except BaseException as error:
                         self._failed("dispatch", error)
                         raise
                     if done is not None:
                         return done
+                key = front.dispatch_key(*args)
             return self._dispatch_python(
                 key, x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
                 expert_alignment, num_sms, num_qps, previous_event, previous_event_before_epilogue,
@@ -870,7 +867,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
                     out_handle.recv_src_metadata, out_handle.dst_buffer_slot_idx,
                 )  # fmt: skip
             if recorder is not None:
-                steady.record_dispatch(key, recorder, steady.dispatch_inputs(x, topk_idx, topk_weights,
+                steady.record_dispatch(key, recorder, steady.front.dispatch_inputs(x, topk_idx, topk_weights,
                                        cumulative_local_expert_recv_stats, handle), result, out_handle, handle is None,
                                        request, async_with_compute_stream,
                                        allocate_on_comm_stream)  # fmt: skip
@@ -922,19 +919,18 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         try:
             steady, key = self._steady, None
             if steady is not None:
-                key = steady.combine_key(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
-                                         previous_event_before_epilogue, async_with_compute_stream,
-                                         allocate_on_comm_stream)  # fmt: skip
-                entry = steady.entries.get(key) if key is not None else None
-                if entry is not None and self._failure is None and not self._agrs.engine_open:
-                    inputs = steady.combine_inputs(x, handle, topk_weights, bias)
-                    try:  # `_run`, written out (see dispatch)
-                        done = steady.combine(entry, inputs, previous_event, handle)
+                front = steady.front
+                args = (x, handle, topk_weights, bias, num_sms, num_qps, previous_event, previous_event_before_epilogue,
+                        async_with_compute_stream, allocate_on_comm_stream)  # fmt: skip
+                if self._failure is None and not self._agrs.engine_open:
+                    try:  # as dispatch
+                        done = front.combine(*args)
                     except BaseException as error:
                         self._failed("combine", error)
                         raise
                     if done is not None:
                         return done
+                key = front.combine_key(*args)
             return self._combine_python(key, x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                                         previous_event_before_epilogue, async_with_compute_stream,
                                         allocate_on_comm_stream)  # fmt: skip
@@ -972,7 +968,7 @@ class ElasticBuffer(AgrsMixin, PpMixin, EngramMixin):
         def run() -> tuple[Any, tuple, tuple]:
             result, recorder = self._recorded(lambda: backend.combine(request), key)
             if recorder is not None:
-                inputs = steady.combine_inputs(x, handle, topk_weights, bias)
+                inputs = steady.front.combine_inputs(x, handle, topk_weights, bias)
                 steady.record_combine(key, recorder, inputs, result, request, async_with_compute_stream,
                                       allocate_on_comm_stream)  # fmt: skip
             inputs = (request.x, request.topk_weights, request.bias_0, request.bias_1)

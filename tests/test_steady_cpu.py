@@ -13,7 +13,9 @@ import pytest
 import torch
 from deep_ep.jit import U64, Opaque
 
-from deep_ep.backends.kernels.steady import Recorder, describe_program, steady_module
+from deep_ep.backends.kernels.steady import STATE_FIELDS, Entry, Recorder, SteadyPath, describe_program, steady_module
+from deep_ep.event import EventHandle
+from deep_ep.handle import EPHandle
 
 # The module is compiled with nvcc (skipped with the reason where it is not found: tests/conftest.py)
 pytestmark = pytest.mark.nvcc
@@ -210,3 +212,163 @@ def test_copy_with_makes_a_copy_of_a_template_with_the_named_fields_set():
 
 class _Template:
     """A plain class, as `EPHandle` and the kernels' handle state are."""
+
+
+# ------------------------------------------------------------------------------------ the front
+
+
+def _handle(buffer_id: int, do_cpu_sync: bool, num_recv_tokens: int, **fields: object) -> EPHandle:
+    """A handle of `buffer_id` with random tensors where a dispatch's would be."""
+    num_tokens, num_topk = random.randint(1, 64), random.randint(1, 8)
+    state = _Template()
+    state.__dict__.update({name: torch.randn(3) for name in STATE_FIELDS})
+    values = dict(do_expand=False, num_experts=64, expert_alignment=1, num_max_tokens_per_rank=64, num_sms=8,
+                  topk_idx=torch.randint(0, 64, (num_tokens, num_topk)), num_recv_tokens=num_recv_tokens,
+                  num_expanded_tokens=num_recv_tokens, num_recv_tokens_per_expert_list=[],
+                  psum_num_recv_tokens_per_scaleup_rank=torch.randn(2), psum_num_recv_tokens_per_expert=torch.randn(2),
+                  num_unaligned_recv_tokens_per_expert=torch.randn(2), recv_src_metadata=torch.randn(4),
+                  dst_buffer_slot_idx=torch.randn(2), num_tokens=num_tokens, num_topk=num_topk, hidden=128,
+                  buffer_id=buffer_id, do_cpu_sync=do_cpu_sync, scale_kind=None, backend_state=state)  # fmt: skip
+    values.update(fields)
+    return EPHandle(**values)
+
+
+class _Runtime:
+    """What the front reads of a runtime: its error words, `dead_reason` and checks."""
+
+    def __init__(self) -> None:
+        self.error_words = (ctypes.c_int64 * 8)()
+        self.dead_reason: str | None = None
+        self.num_checks = 0
+
+    def check_error(self) -> None:
+        self.num_checks += 1
+        raise RuntimeError(f"the runtime's check: {self.dead_reason}")
+
+
+def _dispatch_args(x: object, **given: object) -> list:
+    """`ElasticBuffer.dispatch`'s arguments in order, its defaults where not given."""
+    defaults = dict(topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None,
+                    num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0, previous_event=None,
+                    previous_event_before_epilogue=None, async_with_compute_stream=False,
+                    allocate_on_comm_stream=False, handle=None, do_handle_copy=True, do_cpu_sync=None, do_expand=False,
+                    do_zero_padding=False, use_tma_aligned_col_major_sf=False)  # fmt: skip
+    unknown = set(given) - set(defaults)
+    assert not unknown, unknown
+    return [x, *(given.get(name, value) for name, value in defaults.items())]
+
+
+def _combine_args(x: object, handle: object, **given: object) -> list:
+    defaults = dict(topk_weights=None, bias=None, num_sms=0, num_qps=0, previous_event=None,
+                    previous_event_before_epilogue=None, async_with_compute_stream=False,
+                    allocate_on_comm_stream=False)  # fmt: skip
+    return [x, handle, *(given.get(name, value) for name, value in defaults.items())]
+
+
+def test_the_fronts_keys_tell_apart_every_call_that_records_differently():
+    module, reason = steady_module()
+    assert module is not None, reason
+    buffer_id = random.randint(1, 1000)
+    front = SteadyPath(module, _Runtime(), _stream(), buffer_id).front
+    tokens, hidden = random.randint(1, 64), 16 * random.randint(1, 8)
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    idx = torch.randint(0, 64, (tokens, 8))
+    fresh = dict(topk_idx=idx, num_experts=64, do_cpu_sync=False)
+    key = front.dispatch_key(*_dispatch_args(x, **fresh))
+    assert key is not None and hash(key) == hash(front.dispatch_key(*_dispatch_args(x.clone(), **fresh)))
+    # Another shape, dtype, scalar or scalar type, or a None in another place: another key
+    others = [
+        front.dispatch_key(*_dispatch_args(x[:-1] if tokens > 1 else torch.randn(2, hidden).bfloat16(), **fresh)),
+        front.dispatch_key(*_dispatch_args(x.float(), **fresh)),
+        front.dispatch_key(*_dispatch_args(x, **(fresh | dict(num_experts=64.0)))),
+        front.dispatch_key(*_dispatch_args(x, **(fresh | dict(num_sms=random.randint(1, 100))))),
+        front.dispatch_key(*_dispatch_args(x, **(fresh | dict(do_expand=1)))),
+        front.dispatch_key(*_dispatch_args(x, **(fresh | dict(topk_weights=torch.rand(tokens, 8))))),
+        front.dispatch_key(*_dispatch_args((x, torch.randn(tokens, 1)), **fresh)),
+        front.dispatch_key(*_dispatch_args(x, **(fresh | dict(previous_event=EventHandle(use_cuda=False))))),
+    ]
+    assert all(other is not None and other != key for other in others)
+    assert len(set(others)) == len(others)
+    # Calls that take the Python path every time: no key
+    assert front.dispatch_key(*_dispatch_args(x, **(fresh | dict(previous_event_before_epilogue=object())))) is None
+    assert front.dispatch_key(*_dispatch_args(x, **(fresh | dict(previous_event=object())))) is None
+    assert (
+        front.dispatch_key(*_dispatch_args(x, topk_idx=idx, num_experts=64, use_tma_aligned_col_major_sf=True)) is None
+    )
+    assert front.dispatch_key(*_dispatch_args([x], **fresh)) is None
+    assert front.dispatch_key(*_dispatch_args((x, x, x), **fresh)) is None
+    # Cached: the handle's shape is in the key, a CPU-sync handle's rows are not
+    synced = _handle(buffer_id, True, random.randint(1, 100))
+    cached = front.dispatch_key(*_dispatch_args(x, handle=synced))
+    rows = synced.num_recv_tokens + random.randint(1, 100)
+    assert cached == front.dispatch_key(*_dispatch_args(x, handle=_handle(buffer_id, True, rows,
+                                                                          num_tokens=synced.num_tokens,
+                                                                          num_topk=synced.num_topk)))  # fmt: skip
+    exact = _handle(buffer_id, False, 7, num_tokens=synced.num_tokens, num_topk=synced.num_topk)
+    assert front.dispatch_key(*_dispatch_args(x, handle=exact)) != front.dispatch_key(
+        *_dispatch_args(x, handle=_handle(buffer_id, False, 8, num_tokens=synced.num_tokens, num_topk=synced.num_topk))
+    )
+    assert front.dispatch_key(*_dispatch_args(x, handle=_handle(buffer_id + 1, True, 5))) is None  # another buffer's
+    assert front.dispatch_key(*_dispatch_args(x, handle=synced, cumulative_local_expert_recv_stats=idx)) is None
+    assert front.dispatch_key(*_dispatch_args(x, handle=synced, use_tma_aligned_col_major_sf=True)) is None
+    # Combine
+    y = torch.randn(synced.num_recv_tokens, hidden).to(torch.bfloat16)
+    combine = front.combine_key(*_combine_args(y, synced))
+    assert combine is not None and combine == front.combine_key(*_combine_args(torch.randn(rows, hidden).bfloat16(),
+                                                                               synced))  # fmt: skip
+    assert combine != front.combine_key(*_combine_args(y, synced, bias=y))
+    assert combine != front.combine_key(*_combine_args(y, synced, num_qps=random.randint(1, 8)))
+    assert combine != front.combine_key(*_combine_args(y.float(), synced))
+    assert front.combine_key(*_combine_args(y, synced, bias=(y, y, y))) is None
+    assert front.combine_key(*_combine_args(y, _handle(buffer_id + 1, True, 5))) is None
+    assert front.combine_key(*_combine_args(y.tolist(), synced)) is None
+    with pytest.raises(TypeError, match="takes 19 arguments"):
+        front.dispatch_key(x)
+
+
+def test_the_front_gathers_inputs_in_program_order_and_leaves_unknown_calls_to_python():
+    module, reason = steady_module()
+    assert module is not None, reason
+    buffer_id, runtime = random.randint(1, 1000), _Runtime()
+    steady = SteadyPath(module, runtime, _stream(), buffer_id)
+    front = steady.front
+    handle = _handle(buffer_id, True, random.randint(1, 50))
+    state = handle.backend_state
+    x, scales, weights = torch.randn(4, 32), torch.randn(4, 2), torch.rand(4, 8)
+    inputs = front.dispatch_inputs((x, scales), None, weights, None, handle)
+    expected = (x, scales, handle.topk_idx, weights, None, state.slot_idx, state.num_tokens_per_rank,
+                handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata)  # fmt: skip
+    assert len(inputs) == len(expected) and all(a is b for a, b in zip(inputs, expected, strict=True))
+    idx = torch.randint(0, 64, (4, 8))
+    assert all(a is b for a, b in zip(front.dispatch_inputs(x, idx, None, None, None), (x, None, idx, None, None),
+                                      strict=True))  # fmt: skip
+    bias = (torch.randn(4, 32), torch.randn(4, 32))
+    expected = (x, weights, *bias, handle.topk_idx, handle.recv_src_metadata,
+                handle.psum_num_recv_tokens_per_scaleup_rank, state.slot_idx, state.num_tokens_per_rank)  # fmt: skip
+    assert all(a is b for a, b in zip(front.combine_inputs(x, handle, weights, bias), expected, strict=True))
+    # No program for the key, or a shape that stays on the Python path: None, nothing counted
+    args = _combine_args(x, handle)
+    assert front.combine(*args) is None
+    steady.entries[front.combine_key(*args)] = None
+    assert front.combine(*args) is None and steady.num_calls == steady.num_refused == 0
+    # A program whose recording saw other inputs refuses the call: the Python path takes it
+    scratch, out = torch.randn(16), torch.empty(32)
+    description, keep = describe_program([scratch], _stream(), _recording(x, out, scratch, _stream()), [x, None],
+                                         [out], False, False)  # fmt: skip
+    steady.entries[front.combine_key(*args)] = Entry(module.Program(description), keep)
+    if torch.cuda.is_available():
+        pytest.skip("the refusal below needs the recorded CPU tensors to be refused (no CUDA)")
+    with pytest.raises(TypeError, match="expected 2 inputs"):  # a combine has nine inputs
+        front.combine(*args)
+    assert steady.num_calls == 0
+    # The runtime's checks run before any replay when its error words say so, and raise
+    runtime.error_words[0] = 1
+    with pytest.raises(RuntimeError, match="the runtime's check"):
+        front.combine(*args)
+    runtime.error_words[0], runtime.dead_reason = 0, "a peer died"
+    with pytest.raises(RuntimeError, match="a peer died"):
+        front.combine(*args)
+    assert runtime.num_checks == 2
+    # A handle made by hand without a backend state: the Python path says what is wrong with it
+    handle.backend_state = None
+    assert front.combine(*args) is None

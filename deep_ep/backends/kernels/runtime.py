@@ -249,7 +249,8 @@ class NvlinkRuntime:
         # host sees it: the kernel's launch latency and its count exchange)
         self.num_counts_waits = 0
         self.counts_wait_ns = 0
-        self._counts_launched: torch.cuda.Event | None = None  # one event, recorded by the waits that pass a first check
+        # One event, recorded by the waits that pass a first check
+        self._counts_launched: torch.cuda.Event | None = None
         self.dispatch_scratch = torch.zeros(DISPATCH_SCRATCH_INTS, dtype=torch.int32, device="cuda")
         self._expand_scratch: torch.Tensor | None = None
         # What a failing rank posts to its peers, and the stream it posts on; made before the windows

@@ -843,6 +843,9 @@ PyMethodDef module_methods[] = {
      "copy_with(template, names, values, start) -> a copy of template with names set to values[start:]"},
     {nullptr, nullptr, 0, nullptr}};
 
+// The front (steady_front.cpp, compiled after this file as one unit)
+bool add_front(PyObject* module);
+
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "deep_ep_steady", "deep_ep's steady path (steady.cpp)", -1,
                           module_methods};
 
@@ -868,7 +871,7 @@ PyMODINIT_FUNC PyInit_deep_ep_steady() {
     Py_INCREF(&EventType);
     Py_INCREF(&ProgramType);
     if (PyModule_AddObject(module, "Event", reinterpret_cast<PyObject*>(&EventType)) < 0 ||
-        PyModule_AddObject(module, "Program", reinterpret_cast<PyObject*>(&ProgramType)) < 0) {
+        PyModule_AddObject(module, "Program", reinterpret_cast<PyObject*>(&ProgramType)) < 0 || !add_front(module)) {
         Py_DECREF(module);
         return nullptr;
     }

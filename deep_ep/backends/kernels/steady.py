@@ -14,8 +14,10 @@ thousands of times, and on a GPU machine's CPU every torch call from Python cost
   inputs and allocations go. It declines (the shape stays on the Python path) when an address is
   ambiguous (two inputs at one address, an empty tensor) or comes from a tensor that is neither an
   input, an allocation of the call nor one of the runtime's own (a copy made inside the call).
-- Later calls with the key go to `Program.run`, which compares every input tensor with the
-  recording (dtype, sizes, strides, device) and returns `None` on any difference: the call then
+- Every call goes first to the buffer's `Front` (`steady_front.cpp`), which makes its key, finds
+  the key's entry and gathers the inputs, all in C++ (in Python they cost the host 10-14 us per
+  call on the GPU machine). A call whose key has a program goes to `Program.run`, which compares
+  every input tensor with the recording (dtype, sizes, strides, device) and returns `None` on any difference: the call then
   takes the Python path, whose checks raise the error a bad input deserves. Otherwise it makes V2's
   stream choreography, allocates and launches; the handle and results are copies of the recorded
   ones with the new tensors in place.
@@ -42,6 +44,7 @@ have their own. A program keeps alive only the runtime's own scratch tensors it 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import operator
 import os
@@ -61,7 +64,7 @@ from . import specs
 from .dispatch import raise_rejected_routing
 from .runtime import INPUT_ERROR_WORD, NvlinkRuntime, track_pointers
 
-SOURCE = Path(__file__).with_name("steady.cpp")
+SOURCES = (Path(__file__).with_name("steady.cpp"), Path(__file__).with_name("steady_front.cpp"))
 # Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
 MAX_PROGRAMS = 64
 ENV_SWITCH = "EP_STEADY"
@@ -77,15 +80,22 @@ HANDLE_FIELDS = (
 )  # fmt: skip
 STATE_FIELDS = ("slot_idx", "num_tokens_per_rank", "node_slot_idx", "num_tokens_per_node", "forward_map",
                 "forward_counts")  # fmt: skip
+# A handle's fields that decide the shapes of a cached dispatch or combine with it, read in one call
+# (the front's keys); a CPU-sync handle's row counts are not among them: they are the call's values
+_SHAPE_FIELDS = ("num_tokens", "do_expand", "num_experts", "num_max_tokens_per_rank", "expert_alignment", "num_sms",
+                 "hidden", "num_topk", "do_cpu_sync", "scale_kind")  # fmt: skip
+_synced_shape = operator.attrgetter(*_SHAPE_FIELDS)
+_exact_shape = operator.attrgetter(*_SHAPE_FIELDS, "num_recv_tokens", "num_expanded_tokens")
 
 
 @functools.cache
 def steady_module() -> tuple[ModuleType | None, str | None]:
-    """The compiled `steady.cpp` (built once per torch and Python, then cached), or `None` and why."""
+    """The compiled `steady.cpp` and `steady_front.cpp` (one unit, built once per torch and Python,
+    then cached), or `None` and why."""
     from deep_ep.jit import load_torch_extension
 
     try:
-        return load_torch_extension("deep_ep_steady", SOURCE.read_text()), None
+        return load_torch_extension("deep_ep_steady", "\n".join(path.read_text() for path in SOURCES)), None
     except (JITCompileError, ImportError, OSError) as error:
         return None, f"{type(error).__name__}: {error}"
 
@@ -299,25 +309,8 @@ class Entry:
 
 
 # Where a fresh dispatch's run puts the new handle's tensors and its backend state's
-_HANDLE_START = len(RESULT_FIELDS)
-_STATE_START = _HANDLE_START + len(HANDLE_FIELDS)
-_HANDLE_SLICE = slice(_HANDLE_START, _STATE_START)
-_STATE_SLICE = slice(_STATE_START, _STATE_START + len(STATE_FIELDS))
-
-
-def _dispatch_results(values: Sequence[Any], handle: EPHandle) -> tuple:
-    """V2's results of a dispatch (`values`: what its run returned, the end event last):
-    `(recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights, handle, EventOverlap)`."""
-    recv_x, recv_scales, recv_topk_idx, recv_topk_weights = values[: len(RESULT_FIELDS)]
-    recv = recv_x if recv_scales is None else (recv_x, recv_scales)
-    return recv, recv_topk_idx, recv_topk_weights, handle, EventOverlap(EventHandle.of(values[-1]))
-
-
-def previous_event_handle(previous_event: EventHandle | None) -> int | None:
-    """The `CUevent` a call's communication waits for (`None`: none, or not yet recorded)."""
-    if previous_event is None or previous_event.event is None:
-        return None
-    return previous_event.event.cuda_event or None
+_HANDLE_SLICE = slice(len(RESULT_FIELDS), len(RESULT_FIELDS) + len(HANDLE_FIELDS))
+_STATE_SLICE = slice(_HANDLE_SLICE.stop, _HANDLE_SLICE.stop + len(STATE_FIELDS))
 
 
 class SteadyPath:
@@ -332,8 +325,21 @@ class SteadyPath:
         self.buffer_id = buffer_id
         self.entries: dict[tuple, Entry | None] = {}  # None: the shape cannot take the steady path
         self.declined: dict[tuple, str] = {}  # why, per such shape
-        self.num_calls = 0  # calls served by a program
-        self.num_refused = 0  # calls a program refused (an input unlike its recording): the Python path's
+        # The calls' way in (steady_front.cpp): keys, inputs and replays in C++
+        error_words = ctypes.addressof(runtime.error_words)
+        self.front = module.Front(self, self.entries, runtime, error_words, INPUT_ERROR_WORD, buffer_id, EPHandle,
+                                  EventHandle, _synced_shape, _exact_shape, HANDLE_FIELDS, STATE_FIELDS,
+                                  EventHandle.of(None), EventOverlap(None))  # fmt: skip
+
+    @property
+    def num_calls(self) -> int:
+        """Calls a program served."""
+        return self.front.num_calls
+
+    @property
+    def num_refused(self) -> int:
+        """Calls a program refused (an input unlike its recording): the Python path took them."""
+        return self.front.num_refused
 
     def phase_ns(self) -> dict[str, int]:
         """Host nanoseconds per phase (`PHASES`) summed over this buffer's replays so far (both
@@ -344,64 +350,6 @@ class SteadyPath:
                 if program is not None:
                     totals = [a + b for a, b in zip(totals, program.phase_ns, strict=True)]
         return dict(zip(PHASES, totals, strict=True))
-
-    # ----------------------------------------------------------------------------------- keys
-
-    def dispatch_key(
-        self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any, num_experts: Any, num_max_tokens_per_rank: Any,
-        expert_alignment: Any, num_sms: Any, num_qps: Any, previous_event: Any, previous_event_before_epilogue: Any,
-        async_with_compute_stream: Any, allocate_on_comm_stream: Any, handle: Any, do_handle_copy: Any,
-        do_cpu_sync: Any, do_expand: Any, do_zero_padding: Any, use_tma_aligned_col_major_sf: Any,
-    ) -> tuple | None:  # fmt: skip
-        """The key of a dispatch, or `None` when it takes the Python path anyway."""
-        if previous_event_before_epilogue is not None or (previous_event is not None and
-                                                          type(previous_event) is not EventHandle):  # fmt: skip
-            return None
-        if handle is None:
-            # With CPU sync (`None` means True without a handle) the scales' column stride would follow
-            # the counts: column-major scales stay on the Python path there
-            if do_cpu_sync is not False and use_tma_aligned_col_major_sf is not False:
-                return None
-            shape = None
-        else:
-            if type(handle) is not EPHandle or handle.buffer_id != self.buffer_id or stats is not None:
-                return None
-            # With CPU sync the handle's rows change with every dispatch: they are the call's values, and
-            # the scales' column stride would follow them
-            if handle.do_cpu_sync and use_tma_aligned_col_major_sf is not False:
-                return None
-            shape = handle_shape(handle)
-        if type(x) is tuple:
-            if len(x) != 2 or not isinstance(x[0], torch.Tensor) or not isinstance(x[1], torch.Tensor):
-                return None
-            x_key = (x[0].shape, x[0].dtype, x[1].shape, x[1].dtype)
-        elif isinstance(x, torch.Tensor):
-            x_key = (x.shape, x.dtype)
-        else:
-            return None
-        scalars = (num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps,
-                   async_with_compute_stream, allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
-                   do_zero_padding, use_tma_aligned_col_major_sf)  # fmt: skip
-        # Types too: `num_experts=256.0` or `do_expand=1` must meet the Python path's checks
-        return ("dispatch", x_key, shape, topk_idx is None, topk_weights is None, stats is None, previous_event is None, scalars,
-                tuple(map(type, scalars)))  # fmt: skip
-
-    def combine_key(
-        self, x: Any, handle: Any, topk_weights: Any, bias: Any, num_sms: Any, num_qps: Any, previous_event: Any,
-        previous_event_before_epilogue: Any, async_with_compute_stream: Any, allocate_on_comm_stream: Any,
-    ) -> tuple | None:  # fmt: skip
-        """The key of a combine, or `None` when it takes the Python path anyway."""
-        if previous_event_before_epilogue is not None or (previous_event is not None and
-                                                          type(previous_event) is not EventHandle):  # fmt: skip
-            return None
-        if type(handle) is not EPHandle or handle.buffer_id != self.buffer_id or not isinstance(x, torch.Tensor):
-            return None
-        if type(bias) is tuple and len(bias) != 2:
-            return None
-        scalars = (num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream)
-        rows = x.shape[1:] if handle.do_cpu_sync else x.shape  # a CPU-sync handle's rows are the call's values
-        return ("combine", rows, x.dtype, handle_shape(handle), topk_weights is None, type(bias),
-                previous_event is None, scalars, tuple(map(type, scalars)))  # fmt: skip
 
     # ----------------------------------------------------------------------------- recording
 
@@ -529,59 +477,23 @@ class SteadyPath:
 
     # ------------------------------------------------------------------------------- replays
 
-    def _run(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
-             values: tuple = ()) -> tuple | None:  # fmt: skip
-        """What one run of `entry.program` returned (the call's results, then its end event), or
-        `None` when it refused the inputs."""
-        runtime, words = self.runtime, self.runtime.error_words
-        # The runtime's checks, called only when their words say there is something to raise (a call
-        # costs the host more than a read)
-        if words[0] or runtime.dead_reason is not None:
-            runtime.check_error()
-        event = None if previous_event is None else previous_event_handle(previous_event)  # a call less, mostly
-        outputs = entry.program.run(inputs, event, values)
-        if outputs is None:
-            self.num_refused += 1
-            return None
-        self.num_calls += 1
-        if entry.handle is not None:  # a fresh dispatch: its routing is checked on the device
-            runtime.num_experts_checked = entry.handle.num_experts
-        # An invalid `topk_idx` an earlier dispatch found on the device, raised once this call is enqueued
-        if words[INPUT_ERROR_WORD]:
-            runtime.take_input_error()
-        return outputs
+    def dispatch_synced(self, entry: Entry, inputs: tuple, previous_event: int | None) -> tuple | None:
+        """Replay a CPU-sync dispatch (the front calls it once the runtime's checks passed): the first
+        program, the host's wait for the counts (as the Python path waits), then the second with the
+        output rows the counts give.
 
-    def dispatch(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
-                 handle: EPHandle | None) -> tuple | None:  # fmt: skip
-        """Replay a dispatch: V2's results `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`,
-        or `None` when an input differs from the recording."""
-        if entry.first is not None:
-            return self._dispatch_synced(entry, inputs, previous_event)
-        rows = ()
-        if handle is not None and handle.do_cpu_sync:
-            num_out_rows, num_meta_rows = handle_rows(handle)
-            grid = self.runtime.grid_for_rows(num_meta_rows, entry.busy_sms) + self.runtime.nic_ctas
-            rows = (num_out_rows, num_meta_rows, grid)
-        values = self._run(entry, inputs, previous_event, rows)
-        if values is None:
-            return None
-        if handle is None:  # the templates with this call's tensors (steady.cpp's `copy_with`)
-            copy_with = self.module.copy_with
-            handle = copy_with(entry.handle, HANDLE_FIELDS, values, _HANDLE_START)
-            handle.backend_state = copy_with(entry.state, STATE_FIELDS, values, _STATE_START)
-            handle.num_recv_tokens_per_expert_list = []
-        return _dispatch_results(values, handle)
+        Arguments:
+            entry: the shape's entry; inputs: its first program's inputs (`Front.dispatch_inputs`).
+            previous_event: the `CUevent` the communication waits for, or `None`.
 
-    def _dispatch_synced(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None) -> tuple | None:
-        """Replay a CPU-sync dispatch: the first program, the host's wait for the counts (as the Python
-        path waits), then the second with the output rows the counts give."""
-        runtime, template, words = self.runtime, entry.handle, self.runtime.error_words
-        if words[0] or runtime.dead_reason is not None:  # as `_run`
-            runtime.check_error()
+        Returns:
+            `(values, handle)`: what the second program returned and the new handle; or `None` when
+            the first program refused the inputs (nothing was enqueued).
+        """
+        runtime, template = self.runtime, entry.handle
         sequence = runtime.next_counts_sequence()
-        first = entry.first.run(inputs, previous_event_handle(previous_event), (sequence,))
+        first = entry.first.run(inputs, previous_event, (sequence,))
         if first is None:
-            self.num_refused += 1
             return None
         # While the kernel counts, what needs no counts: the second part's inputs, the new handle
         inputs = (*inputs, *first[:-1])
@@ -613,65 +525,15 @@ class SteadyPath:
             raise
         if rejected:
             raise_rejected_routing(runtime, inputs[2], template.num_experts)
-        self.num_calls += 1
         runtime.num_experts_checked = template.num_experts
-        if words[INPUT_ERROR_WORD]:
-            runtime.take_input_error()
         handle.__dict__.update(zip(HANDLE_FIELDS, values[_HANDLE_SLICE], strict=True), num_recv_tokens=num_recv_tokens,
                                num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=counts_list)  # fmt: skip
         state.__dict__.update(zip(STATE_FIELDS, values[_STATE_SLICE], strict=True), num_out_rows=num_out_rows,
                               num_meta_rows=num_recv_tokens, num_expanded_rows=num_expanded)  # fmt: skip
-        return _dispatch_results(values, handle)
-
-    def combine(self, entry: Entry, inputs: tuple, previous_event: EventHandle | None,
-                handle: EPHandle) -> tuple | None:  # fmt: skip
-        """Replay a combine: `(combined_x, combined_topk_weights, event)`, or `None` when an input
-        differs from the recording."""
-        done = self._run(entry, inputs, previous_event, handle_rows(handle) if handle.do_cpu_sync else ())
-        if done is None:
-            return None
-        combined_x, combined_topk_weights, event = done
-        return combined_x, combined_topk_weights, EventOverlap(EventHandle.of(event))
-
-    @staticmethod
-    def dispatch_inputs(x: Any, topk_idx: Any, topk_weights: Any, stats: Any, handle: EPHandle | None) -> tuple:
-        """The tensors of a dispatch in the order its program takes them: data, scales, routing, weights,
-        statistics, then a cached handle's (routing, slots, counts, metadata)."""
-        data, scales = x if type(x) is tuple else (x, None)
-        if handle is None:
-            return data, scales, topk_idx, topk_weights, stats
-        state = handle.backend_state
-        return (data, scales, handle.topk_idx, topk_weights, stats, state.slot_idx, state.num_tokens_per_rank,
-                handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata)  # fmt: skip
-
-    @staticmethod
-    def combine_inputs(x: torch.Tensor, handle: EPHandle, topk_weights: Any, bias: Any) -> tuple:
-        """The tensors of a combine in the order its program takes them."""
-        bias_0, bias_1 = bias if type(bias) is tuple else (bias, None)
-        state = handle.backend_state
-        return (x, topk_weights, bias_0, bias_1, handle.topk_idx, handle.recv_src_metadata,
-                handle.psum_num_recv_tokens_per_scaleup_rank, state.slot_idx, state.num_tokens_per_rank)  # fmt: skip
-
-
-# A handle's fields that decide the shapes of a cached dispatch or combine with it, read in one call
-_SHAPE_FIELDS = ("num_tokens", "do_expand", "num_experts", "num_max_tokens_per_rank", "expert_alignment", "num_sms",
-                 "hidden", "num_topk", "do_cpu_sync", "scale_kind")  # fmt: skip
-_synced_shape = operator.attrgetter(*_SHAPE_FIELDS)
-_exact_shape = operator.attrgetter(*_SHAPE_FIELDS, "num_recv_tokens", "num_expanded_tokens")
-
-
-def handle_shape(handle: EPHandle) -> tuple:
-    """What of a handle decides the shapes of a cached dispatch or combine with it; a CPU-sync handle's
-    row counts are not part of it (they are the call's values, `handle_rows`)."""
-    return _synced_shape(handle) if handle.do_cpu_sync else _exact_shape(handle)
+        return values, handle
 
 
 def _epilogue_row_fields() -> tuple[tuple[int, int, int, str], ...]:
     """The dispatch epilogue's fields that take the output rows and the received tokens."""
     out, meta = specs.DispatchEpilogueArgs.num_out_rows, specs.DispatchEpilogueArgs.num_meta_rows
     return (0, out.offset, out.size, "out"), (0, meta.offset, meta.size, "meta")
-
-
-def handle_rows(handle: EPHandle) -> tuple[int, int]:
-    """The rows of a handle's outputs (expanded or not) and of its `recv_src_metadata`."""
-    return (handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens), handle.num_recv_tokens
