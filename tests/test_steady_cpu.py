@@ -234,10 +234,13 @@ def _handle(buffer_id: int, do_cpu_sync: bool, num_recv_tokens: int, **fields: o
 
 
 class _Runtime:
-    """What the front reads of a runtime: its error words, `dead_reason` and checks."""
+    """What the front reads of a runtime: its error words, counts, `dead_reason` and checks."""
 
     def __init__(self) -> None:
         self.error_words = (ctypes.c_int64 * 8)()
+        self.host_counts = torch.zeros(16, dtype=torch.int32)
+        self.counts_ready = torch.zeros(1, dtype=torch.int64)
+        self.num_ranks = 2
         self.dead_reason: str | None = None
         self.num_checks = 0
 

@@ -9,6 +9,7 @@ differs from the recording takes the Python path, and the steady path steps asid
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import pytest
@@ -167,3 +168,21 @@ def test_a_world_with_guard_bytes_has_no_steady_path():
         assert world.run(_guarded_rank) == [True, True]
     finally:
         world.close()
+
+
+def test_a_rank_whose_replayed_routing_is_rejected_stops_every_rank_at_once():
+    """The fail-fast case of `test_fail_fast_gpu.py` where the steady path serves the calls: the bad
+    CPU-sync dispatch replays a recorded shape, the device rejects its routing, and the replay raises
+    the routing's error on its rank and the peer's on the others (the front's wait for the counts
+    hands a fault to `NvlinkRuntime.wait_counts`)."""
+    from fail_fast import bad_input_rank, check_outcomes
+
+    num_ranks, bad_rank = 4, random.randrange(4)
+    world = LoopbackWorld(num_ranks)  # no guard bytes: the buffers have a steady path
+    try:
+        outcomes = world.run(bad_input_rank, bad_rank, "topk_idx", 2048, "kernels")
+    finally:
+        world.close()
+    check_outcomes(outcomes, bad_rank, "topk_idx")
+    # The second warm-up round trip was a replay (dispatch and combine): so is the bad call, of its shape
+    assert all(outcome["steady_calls"] >= 2 for outcome in outcomes), outcomes

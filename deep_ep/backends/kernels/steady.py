@@ -308,11 +308,6 @@ class Entry:
         self.busy_sms = 0
 
 
-# Where a fresh dispatch's run puts the new handle's tensors and its backend state's
-_HANDLE_SLICE = slice(len(RESULT_FIELDS), len(RESULT_FIELDS) + len(HANDLE_FIELDS))
-_STATE_SLICE = slice(_HANDLE_SLICE.stop, _HANDLE_SLICE.stop + len(STATE_FIELDS))
-
-
 class SteadyPath:
     """The recorded shapes of one buffer and the calls that replay them (`ElasticBuffer.dispatch`
     and `.combine` ask it first). One thread at a time, like the buffer."""
@@ -325,11 +320,17 @@ class SteadyPath:
         self.buffer_id = buffer_id
         self.entries: dict[tuple, Entry | None] = {}  # None: the shape cannot take the steady path
         self.declined: dict[tuple, str] = {}  # why, per such shape
-        # The calls' way in (steady_front.cpp): keys, inputs and replays in C++
-        error_words = ctypes.addressof(runtime.error_words)
-        self.front = module.Front(self, self.entries, runtime, error_words, INPUT_ERROR_WORD, buffer_id, EPHandle,
-                                  EventHandle, _synced_shape, _exact_shape, HANDLE_FIELDS, STATE_FIELDS,
-                                  EventHandle.of(None), EventOverlap(None))  # fmt: skip
+        # The calls' way in (steady_front.cpp): keys, inputs and replays in C++, which reads the host
+        # memory the device writes (error words, a CPU-sync dispatch's counts and their ready word)
+        self.front = module.Front(
+            steady=self, entries=self.entries, runtime=runtime, comm_stream=comm_stream,
+            error_words=ctypes.addressof(runtime.error_words), counts=runtime.host_counts.data_ptr(),
+            counts_ready=runtime.counts_ready.data_ptr(), num_count_words=runtime.host_counts.numel(),
+            input_error_word=INPUT_ERROR_WORD, num_ranks=runtime.num_ranks, buffer_id=buffer_id, handle_type=EPHandle,
+            event_handle_type=EventHandle, synced_shape=_synced_shape, exact_shape=_exact_shape,
+            handle_fields=HANDLE_FIELDS, state_fields=STATE_FIELDS, event_template=EventHandle.of(None),
+            overlap_template=EventOverlap(None),
+        )  # fmt: skip
 
     @property
     def num_calls(self) -> int:
@@ -477,60 +478,16 @@ class SteadyPath:
 
     # ------------------------------------------------------------------------------- replays
 
-    def dispatch_synced(self, entry: Entry, inputs: tuple, previous_event: int | None) -> tuple | None:
-        """Replay a CPU-sync dispatch (the front calls it once the runtime's checks passed): the first
-        program, the host's wait for the counts (as the Python path waits), then the second with the
-        output rows the counts give.
-
-        Arguments:
-            entry: the shape's entry; inputs: its first program's inputs (`Front.dispatch_inputs`).
-            previous_event: the `CUevent` the communication waits for, or `None`.
-
-        Returns:
-            `(values, handle)`: what the second program returned and the new handle; or `None` when
-            the first program refused the inputs (nothing was enqueued).
-        """
-        runtime, template = self.runtime, entry.handle
-        sequence = runtime.next_counts_sequence()
-        first = entry.first.run(inputs, previous_event, (sequence,))
-        if first is None:
-            return None
-        # While the kernel counts, what needs no counts: the second part's inputs, the new handle
-        inputs = (*inputs, *first[:-1])
-        copy_with = self.module.copy_with
-        handle = copy_with(template, (), (), 0)
-        state = handle.backend_state = copy_with(entry.state, (), (), 0)
-        num_ranks = runtime.num_ranks
-        rejected = False
+    def rejected(self, entry: Entry, inputs: tuple) -> None:
+        """A CPU-sync replay whose routing the device rejected (it sent nothing, but peers sent us
+        theirs): drain what they sent, then raise the routing's `ValueError` (the front calls it once
+        the counts say so; `inputs`: the first program's)."""
         try:
-            runtime.wait_counts(self.comm_stream, sequence)
-            counts = runtime.read_counts(num_ranks + template.num_experts // num_ranks + 1)
-            if counts[-1]:  # our routing was rejected on the device (nothing sent), but peers sent us theirs
-                entry.drain()
-                rejected = True
-            else:
-                num_recv_tokens = sum(counts[:num_ranks])
-                counts_list = counts[num_ranks:-1]
-                alignment = template.expert_alignment
-                if alignment > 1:
-                    counts_list = [-(-c // alignment) * alignment for c in counts_list]
-                num_expanded = sum(counts_list)
-                num_out_rows = num_expanded if template.do_expand else num_recv_tokens
-                grid = runtime.grid_for_rows(num_recv_tokens, entry.busy_sms) + runtime.nic_ctas
-                values = entry.program.run(inputs, None, (num_out_rows, num_recv_tokens, grid))
-                if values is None:
-                    raise RuntimeError("deep_ep steady path: the second part of a CPU-sync dispatch refused its inputs")
+            entry.drain()
         except BaseException as error:
-            runtime.fail_between_launches("dispatch", error)
+            self.runtime.fail_between_launches("dispatch", error)
             raise
-        if rejected:
-            raise_rejected_routing(runtime, inputs[2], template.num_experts)
-        runtime.num_experts_checked = template.num_experts
-        handle.__dict__.update(zip(HANDLE_FIELDS, values[_HANDLE_SLICE], strict=True), num_recv_tokens=num_recv_tokens,
-                               num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=counts_list)  # fmt: skip
-        state.__dict__.update(zip(STATE_FIELDS, values[_STATE_SLICE], strict=True), num_out_rows=num_out_rows,
-                              num_meta_rows=num_recv_tokens, num_expanded_rows=num_expanded)  # fmt: skip
-        return values, handle
+        raise_rejected_routing(self.runtime, inputs[2], entry.handle.num_experts)
 
 
 def _epilogue_row_fields() -> tuple[tuple[int, int, int, str], ...]:

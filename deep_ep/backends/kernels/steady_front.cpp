@@ -5,11 +5,14 @@
 // objects); on the GPU machine's CPU, with caches cold from waiting on the device, those cost 10-14 us
 // per call (bench/NOTES.md, session 25). Here they are C API calls: the key, the lookup in the steady
 // path's `entries`, the inputs, the run and the results. What is rare stays in Python and is called
-// from here: the runtime's checks when their error words are set, a CPU-sync dispatch's wait for its
-// counts (`SteadyPath._dispatch_synced`), the epilogue grid of a CPU-sync handle's rows.
+// from here: the runtime's checks when their error words are set, a count wait that outlasts a short
+// spin (`NvlinkRuntime.wait_counts`), a routing the device rejected, the epilogue grid of a CPU-sync
+// call's rows.
 //
 // The keys are the only ones the steady path has (the Python path records under `dispatch_key`'s),
 // so a recording and its replays cannot disagree about them.
+#include <sched.h>
+
 #include <initializer_list>
 
 namespace {
@@ -20,7 +23,9 @@ struct Names {
         *topk_idx, *backend_state, *slot_idx, *num_tokens_per_rank, *num_unaligned_recv_tokens_per_expert,
         *recv_src_metadata, *psum_num_recv_tokens_per_scaleup_rank, *event, *cuda_event, *program, *handle, *state,
         *first, *busy_sms, *dead_reason, *num_experts_checked, *check_error, *take_input_error, *grid_for_rows,
-        *nic_ctas, *num_recv_tokens_per_expert_list, *dispatch, *combine, *dispatch_synced;
+        *nic_ctas, *num_recv_tokens_per_expert_list, *dispatch, *combine, *next_counts_sequence, *wait_counts,
+        *num_counts_waits, *counts_wait_ns, *fail_between_launches, *rejected, *expert_alignment, *num_out_rows,
+        *num_meta_rows, *num_expanded_rows;
     PyObject *zero, *from_one;  // 0, and the slice `1:`
 };
 Names names;
@@ -61,7 +66,16 @@ bool intern_names() {
                          {&names.num_recv_tokens_per_expert_list, "num_recv_tokens_per_expert_list"},
                          {&names.dispatch, "dispatch"},
                          {&names.combine, "combine"},
-                         {&names.dispatch_synced, "dispatch_synced"}};
+                         {&names.next_counts_sequence, "next_counts_sequence"},
+                         {&names.wait_counts, "wait_counts"},
+                         {&names.num_counts_waits, "num_counts_waits"},
+                         {&names.counts_wait_ns, "counts_wait_ns"},
+                         {&names.fail_between_launches, "fail_between_launches"},
+                         {&names.rejected, "rejected"},
+                         {&names.expert_alignment, "expert_alignment"},
+                         {&names.num_out_rows, "num_out_rows"},
+                         {&names.num_meta_rows, "num_meta_rows"},
+                         {&names.num_expanded_rows, "num_expanded_rows"}};
     for (const Entry& entry : all)
         if ((*entry.slot = PyUnicode_InternFromString(entry.text)) == nullptr) return false;
     names.zero = PyLong_FromLong(0);
@@ -90,10 +104,15 @@ struct Ref {
 
 struct FrontObject {
     PyObject_HEAD PyObject* entries;  // SteadyPath.entries: key -> Entry or None
-    PyObject* steady;                 // the SteadyPath (its `_dispatch_synced`)
+    PyObject* steady;                 // the SteadyPath (its `rejected`)
     PyObject* runtime;
-    const int64_t* error_words;  // the runtime's error words (host memory the device writes)
-    Py_ssize_t input_error_word;
+    PyObject* comm_stream;
+    // Host memory the device writes: the runtime's error words, a CPU-sync dispatch's counts and the
+    // word that says they are there (`NvlinkRuntime.host_counts`, `counts_ready`)
+    const int64_t* error_words;
+    const int32_t* counts;
+    const uint64_t* counts_ready;
+    Py_ssize_t num_count_words, input_error_word, num_ranks;
     PyObject* buffer_id;
     PyObject *handle_type, *event_handle_type;
     PyObject *synced_shape, *exact_shape;  // operator.attrgetter of a handle's shape fields
@@ -425,6 +444,169 @@ PyObject* entry_of(FrontObject* front, PyObject* key) {
     return Py_NewRef(entry);
 }
 
+// A fresh dispatch's new handle and its backend state: the entry's templates with the tensors of
+// `values` (what its program returned) in place
+PyObject* fresh_handle(FrontObject* front, PyObject* entry, PyObject* values) {
+    Ref handle_template(PyObject_GetAttr(entry, names.handle));
+    Ref state_template(PyObject_GetAttr(entry, names.state));
+    Ref handle_start(PyLong_FromSsize_t(kNumResultFields));
+    Ref state_start(PyLong_FromSsize_t(kNumResultFields + PyTuple_GET_SIZE(front->handle_fields)));
+    if (!handle_template || !state_template || !handle_start || !state_start) return nullptr;
+    PyObject* const handle_args[] = {handle_template.get(), front->handle_fields, values, handle_start.get()};
+    PyObject* const state_args[] = {state_template.get(), front->state_fields, values, state_start.get()};
+    Ref handle(copy_with(nullptr, handle_args, 4));
+    Ref state(handle ? copy_with(nullptr, state_args, 4) : nullptr);
+    Ref experts(PyObject_GetAttr(handle_template.get(), names.num_experts));
+    // its routing is checked on the device
+    if (!state || !experts || PyObject_SetAttr(handle.get(), names.backend_state, state.get()) < 0 ||
+        PyObject_SetAttr(front->runtime, names.num_experts_checked, experts.get()) < 0)
+        return nullptr;
+    return handle.release();
+}
+
+// `obj.name += amount` (a Python int)
+int add_to(PyObject* obj, PyObject* name, long long amount) {
+    Ref total(PyObject_GetAttr(obj, name));
+    Ref step(total ? PyLong_FromLongLong(amount) : nullptr);
+    Ref sum(step ? PyNumber_Add(total.get(), step.get()) : nullptr);
+    return sum ? PyObject_SetAttr(obj, name, sum.get()) : -1;
+}
+
+// The host's wait for the counts of the dispatch numbered `sequence`: a spin of at most `kCountSpin`
+// without the interpreter (other virtual ranks launch meanwhile), then `NvlinkRuntime.wait_counts`,
+// which spins on, sleeps, and turns a fault or its deadline into the right error. 0 or -1 (raised).
+int wait_for_counts(FrontObject* front, uint64_t sequence, PyObject* sequence_obj) {
+    constexpr auto kCountSpin = std::chrono::milliseconds(2);
+    auto started = std::chrono::steady_clock::now();
+    bool arrived = false;
+    PyThreadState* saved = PyEval_SaveThread();
+    for (uint64_t num_polls = 1;; ++num_polls) {
+        if (__atomic_load_n(front->counts_ready, __ATOMIC_ACQUIRE) == sequence) {
+            arrived = true;
+            break;
+        }
+        if (__atomic_load_n(&front->error_words[0], __ATOMIC_RELAXED) != 0) break;  // a fault: Python's to raise
+        if (num_polls % 64 == 0 && std::chrono::steady_clock::now() - started > kCountSpin) break;
+        sched_yield();
+    }
+    PyEval_RestoreThread(saved);
+    auto spun_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - started);
+    if (add_to(front->runtime, names.counts_wait_ns, spun_ns.count()) < 0) return -1;
+    if (arrived) return add_to(front->runtime, names.num_counts_waits, 1);
+    Ref waited(
+        PyObject_CallMethodObjArgs(front->runtime, names.wait_counts, front->comm_stream, sequence_obj, nullptr));
+    return waited ? 0 : -1;
+}
+
+// The rest of a CPU-sync dispatch once its first program ran (`carried`: what that program
+// allocated): the wait for the counts, the second program with the rows they give, the new handle.
+// Returns `(values, handle)` (new reference) or null with the error set (`rejected`: the device
+// rejected our routing, and the error is the one that says so).
+PyObject* finish_synced(FrontObject* front, PyObject* entry, PyObject* inputs, PyObject* carried, uint64_t sequence,
+                        PyObject* sequence_obj, bool* rejected) {
+    Ref template_handle(PyObject_GetAttr(entry, names.handle));
+    Ref experts(template_handle ? PyObject_GetAttr(template_handle.get(), names.num_experts) : nullptr);
+    Ref alignment_obj(template_handle ? PyObject_GetAttr(template_handle.get(), names.expert_alignment) : nullptr);
+    Ref expand_obj(template_handle ? PyObject_GetAttr(template_handle.get(), names.do_expand) : nullptr);
+    if (!experts || !alignment_obj || !expand_obj) return nullptr;
+    long long num_experts = PyLong_AsLongLong(experts.get()), alignment = PyLong_AsLongLong(alignment_obj.get());
+    int do_expand = PyObject_IsTrue(expand_obj.get());
+    if (PyErr_Occurred() || do_expand < 0) return nullptr;
+    Py_ssize_t num_ranks = front->num_ranks, num_local_experts = static_cast<Py_ssize_t>(num_experts) / num_ranks;
+    if (num_ranks + num_local_experts + 1 > front->num_count_words || alignment < 1) {
+        PyErr_SetString(PyExc_RuntimeError, "deep_ep steady front: more counts than the count words hold");
+        return nullptr;
+    }
+    if (wait_for_counts(front, sequence, sequence_obj) < 0) return nullptr;
+    const int32_t* counts = front->counts;
+    if (counts[num_ranks + num_local_experts] != 0) {
+        // Our routing was rejected on the device (nothing sent), but peers sent us theirs: drained and
+        // raised in Python (`SteadyPath.rejected`)
+        *rejected = true;
+        Ref raised(PyObject_CallMethodObjArgs(front->steady, names.rejected, entry, inputs, nullptr));
+        if (raised) PyErr_SetString(PyExc_RuntimeError, "deep_ep steady front: a rejected routing was not raised");
+        return nullptr;
+    }
+    long long num_recv_tokens = 0, num_expanded = 0;
+    for (Py_ssize_t r = 0; r < num_ranks; ++r) num_recv_tokens += counts[r];
+    Ref counts_list(PyList_New(num_local_experts));
+    if (!counts_list) return nullptr;
+    for (Py_ssize_t e = 0; e < num_local_experts; ++e) {
+        long long count = (counts[num_ranks + e] + alignment - 1) / alignment * alignment;
+        num_expanded += count;
+        PyObject* item = PyLong_FromLongLong(count);
+        if (item == nullptr) return nullptr;
+        PyList_SET_ITEM(counts_list.get(), e, item);
+    }
+    long long num_out_rows = do_expand ? num_expanded : num_recv_tokens;
+    Ref meta(PyLong_FromLongLong(num_recv_tokens)), out(PyLong_FromLongLong(num_out_rows));
+    Ref expanded(PyLong_FromLongLong(num_expanded)), busy(PyObject_GetAttr(entry, names.busy_sms));
+    if (!meta || !out || !expanded || !busy) return nullptr;
+    Ref grid(PyObject_CallMethodObjArgs(front->runtime, names.grid_for_rows, meta.get(), busy.get(), nullptr));
+    Ref nic(grid ? PyObject_GetAttr(front->runtime, names.nic_ctas) : nullptr);
+    Ref values(nic ? tuple_of({Py_NewRef(out.get()), Py_NewRef(meta.get()), PyNumber_Add(grid.get(), nic.get())})
+                   : nullptr);
+    Ref second_inputs(values ? PySequence_Concat(inputs, carried) : nullptr);
+    Ref program(second_inputs ? PyObject_GetAttr(entry, names.program) : nullptr);
+    if (!program) return nullptr;
+    Ref outputs(run_program(program.get(), second_inputs.get(), Py_None, values.get()));
+    if (!outputs) return nullptr;
+    if (outputs.get() == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "deep_ep steady path: the second part of a CPU-sync dispatch refused its inputs");
+        return nullptr;
+    }
+    Ref handle(fresh_handle(front, entry, outputs.get()));
+    if (!handle) return nullptr;
+    Ref state(PyObject_GetAttr(handle.get(), names.backend_state));
+    if (!state || PyObject_SetAttr(handle.get(), names.num_recv_tokens, meta.get()) < 0 ||
+        PyObject_SetAttr(handle.get(), names.num_expanded_tokens, expanded.get()) < 0 ||
+        PyObject_SetAttr(handle.get(), names.num_recv_tokens_per_expert_list, counts_list.get()) < 0 ||
+        PyObject_SetAttr(state.get(), names.num_out_rows, out.get()) < 0 ||
+        PyObject_SetAttr(state.get(), names.num_meta_rows, meta.get()) < 0 ||
+        PyObject_SetAttr(state.get(), names.num_expanded_rows, expanded.get()) < 0)
+        return nullptr;
+    return PyTuple_Pack(2, outputs.get(), handle.get());
+}
+
+// A CPU-sync dispatch: the first program (up to the counts), then `finish_synced`. `(values, handle)`,
+// `Py_None` when the first program refused the inputs (nothing was enqueued), or null.
+PyObject* dispatch_synced(FrontObject* front, PyObject* entry, PyObject* first, PyObject* inputs, PyObject* event) {
+    Ref sequence_obj(PyObject_CallMethodNoArgs(front->runtime, names.next_counts_sequence));
+    Ref sequence_values(sequence_obj ? PyTuple_Pack(1, sequence_obj.get()) : nullptr);
+    if (!sequence_values) return nullptr;
+    uint64_t sequence = PyLong_AsUnsignedLongLong(sequence_obj.get());
+    if (PyErr_Occurred()) return nullptr;
+    Ref ran(run_program(first, inputs, event, sequence_values.get()));
+    if (!ran || ran.get() == Py_None) return ran.release();
+    // The first kernel is running: from here a failure leaves the window half-way through the
+    // dispatch (`NvlinkRuntime.fail_between_launches`), except a rejected routing (`SteadyPath.rejected`
+    // drained it, and marks the runtime itself when the drain fails)
+    Ref carried(PyTuple_GetSlice(ran.get(), 0, PyTuple_GET_SIZE(ran.get()) - 1));
+    bool rejected = false;
+    PyObject* done =
+        carried ? finish_synced(front, entry, inputs, carried.get(), sequence, sequence_obj.get(), &rejected) : nullptr;
+    if (done != nullptr || rejected) return done;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != nullptr && value != nullptr) PyException_SetTraceback(value, traceback);
+    if (value != nullptr) {
+        Ref op(PyUnicode_FromString("dispatch"));
+        Ref marked(
+            op ? PyObject_CallMethodObjArgs(front->runtime, names.fail_between_launches, op.get(), value, nullptr)
+               : nullptr);
+        if (!marked) {  // the new error stands
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            return nullptr;
+        }
+    }
+    PyErr_Restore(type, value, traceback);
+    return nullptr;
+}
+
 // front.dispatch(<ElasticBuffer.dispatch's arguments, in order>) -> V2's results, or None when no
 // program served the call (no key, no program, or a program that refused the inputs)
 PyObject* front_dispatch(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
@@ -448,8 +630,7 @@ PyObject* front_dispatch(PyObject* self, PyObject* const* args, Py_ssize_t num_a
     Ref first(PyObject_GetAttr(entry.get(), names.first));
     if (!first) return nullptr;
     if (first.get() != Py_None) {  // CPU sync: the host waits for the counts between two programs
-        Ref done(PyObject_CallMethodObjArgs(front->steady, names.dispatch_synced, entry.get(), inputs.get(),
-                                            event.get(), nullptr));
+        Ref done(dispatch_synced(front, entry.get(), first.get(), inputs.get(), event.get()));
         if (!done) return nullptr;
         if (done.get() == Py_None) {
             ++front->num_refused;
@@ -468,25 +649,10 @@ PyObject* front_dispatch(PyObject* self, PyObject* const* args, Py_ssize_t num_a
         Py_RETURN_NONE;
     }
     Ref made;
-    if (handle == Py_None) {  // a fresh dispatch: the templates with this call's tensors
-        Ref handle_template(PyObject_GetAttr(entry.get(), names.handle));
-        Ref state_template(PyObject_GetAttr(entry.get(), names.state));
-        if (!handle_template || !state_template) return nullptr;
-        Ref handle_start(PyLong_FromLong(kNumResultFields));
-        Ref state_start(PyLong_FromSsize_t(kNumResultFields + PyTuple_GET_SIZE(front->handle_fields)));
-        if (!handle_start || !state_start) return nullptr;
-        PyObject* const handle_args[] = {handle_template.get(), front->handle_fields, outputs.get(),
-                                         handle_start.get()};
-        PyObject* const state_args[] = {state_template.get(), front->state_fields, outputs.get(), state_start.get()};
-        made.obj = copy_with(nullptr, handle_args, 4);
-        Ref state(made ? copy_with(nullptr, state_args, 4) : nullptr);
-        Ref experts(PyObject_GetAttr(handle_template.get(), names.num_experts));
-        Ref no_counts(PyList_New(0));
-        if (!made || !state || !experts || !no_counts ||
-            PyObject_SetAttr(made.get(), names.backend_state, state.get()) < 0 ||
-            PyObject_SetAttr(made.get(), names.num_recv_tokens_per_expert_list, no_counts.get()) < 0 ||
-            // its routing is checked on the device
-            PyObject_SetAttr(front->runtime, names.num_experts_checked, experts.get()) < 0)
+    if (handle == Py_None) {  // a fresh dispatch
+        made.obj = fresh_handle(front, entry.get(), outputs.get());
+        Ref no_counts(made ? PyList_New(0) : nullptr);
+        if (!no_counts || PyObject_SetAttr(made.get(), names.num_recv_tokens_per_expert_list, no_counts.get()) < 0)
             return nullptr;
         handle = made.get();
     }
@@ -559,25 +725,36 @@ PyObject* front_combine_inputs(PyObject*, PyObject* const* args, Py_ssize_t num_
     return combine_inputs(args[0], args[1], args[2], args[3]);
 }
 
-// Front(steady, entries, runtime, error_words_address, input_error_word, buffer_id, handle_type,
-//       event_handle_type, synced_shape, exact_shape, handle_fields, state_fields, event_template,
-//       overlap_template)
-PyObject* front_new(PyTypeObject* type, PyObject* args, PyObject*) {
-    PyObject *steady, *entries, *runtime, *address, *buffer_id, *handle_type, *event_handle_type, *synced_shape,
-        *exact_shape, *handle_fields, *state_fields, *event_template, *overlap_template;
-    Py_ssize_t input_error_word;
-    if (!PyArg_ParseTuple(args, "OO!OOnOOOOOO!O!OO", &steady, &PyDict_Type, &entries, &runtime, &address,
-                          &input_error_word, &buffer_id, &handle_type, &event_handle_type, &synced_shape, &exact_shape,
-                          &PyTuple_Type, &handle_fields, &PyTuple_Type, &state_fields, &event_template,
-                          &overlap_template))
+// Front(steady, entries, runtime, comm_stream, error_words, counts, counts_ready, num_count_words,
+//       input_error_word, num_ranks, buffer_id, handle_type, event_handle_type, synced_shape, exact_shape,
+//       handle_fields, state_fields, event_template, overlap_template); see SteadyPath.__init__
+PyObject* front_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+    static const char* keywords[] = {
+        "steady",        "entries",      "runtime",           "comm_stream",      "error_words",
+        "counts",        "counts_ready", "num_count_words",   "input_error_word", "num_ranks",
+        "buffer_id",     "handle_type",  "event_handle_type", "synced_shape",     "exact_shape",
+        "handle_fields", "state_fields", "event_template",    "overlap_template", nullptr};
+    PyObject *steady, *entries, *runtime, *comm_stream, *words, *counts, *counts_ready, *buffer_id, *handle_type,
+        *event_handle_type, *synced_shape, *exact_shape, *handle_fields, *state_fields, *event_template,
+        *overlap_template;
+    Py_ssize_t num_count_words, input_error_word, num_ranks;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOnnnOOOOOO!O!OO", const_cast<char**>(keywords), &steady,
+                                     &PyDict_Type, &entries, &runtime, &comm_stream, &words, &counts, &counts_ready,
+                                     &num_count_words, &input_error_word, &num_ranks, &buffer_id, &handle_type,
+                                     &event_handle_type, &synced_shape, &exact_shape, &PyTuple_Type, &handle_fields,
+                                     &PyTuple_Type, &state_fields, &event_template, &overlap_template))
         return nullptr;
-    void* words = PyLong_AsVoidPtr(address);
-    if (words == nullptr) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Front: the error words' address is 0");
+    void* addresses[3] = {PyLong_AsVoidPtr(words), PyLong_AsVoidPtr(counts), PyLong_AsVoidPtr(counts_ready)};
+    if (PyErr_Occurred()) return nullptr;
+    if (!addresses[0] || !addresses[1] || !addresses[2]) {
+        PyErr_SetString(PyExc_ValueError, "Front: an address of host memory is 0");
         return nullptr;
     }
-    if (!PyType_Check(handle_type) || !PyType_Check(event_handle_type) || input_error_word < 0) {
-        PyErr_SetString(PyExc_TypeError, "Front: handle_type and event_handle_type must be types, the word >= 0");
+    if (!PyType_Check(handle_type) || !PyType_Check(event_handle_type) || input_error_word < 0 || num_ranks < 1 ||
+        num_count_words < num_ranks + 2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "Front: handle_type and event_handle_type must be types, "
+                        "input_error_word >= 0, num_ranks >= 1, num_count_words >= num_ranks + 2");
         return nullptr;
     }
     auto* front = reinterpret_cast<FrontObject*>(type->tp_alloc(type, 0));
@@ -588,7 +765,12 @@ PyObject* front_new(PyTypeObject* type, PyObject* args, PyObject*) {
         return nullptr;
     }
     front->steady = Py_NewRef(steady), front->entries = Py_NewRef(entries), front->runtime = Py_NewRef(runtime);
-    front->error_words = static_cast<const int64_t*>(words), front->input_error_word = input_error_word;
+    front->comm_stream = Py_NewRef(comm_stream);
+    front->error_words = static_cast<const int64_t*>(addresses[0]);
+    front->counts = static_cast<const int32_t*>(addresses[1]);
+    front->counts_ready = static_cast<const uint64_t*>(addresses[2]);
+    front->num_count_words = num_count_words, front->input_error_word = input_error_word;
+    front->num_ranks = num_ranks;
     front->buffer_id = Py_NewRef(buffer_id), front->handle_type = Py_NewRef(handle_type);
     front->event_handle_type = Py_NewRef(event_handle_type);
     front->synced_shape = Py_NewRef(synced_shape), front->exact_shape = Py_NewRef(exact_shape);
@@ -602,6 +784,7 @@ int front_clear(PyObject* self) {
     Py_CLEAR(front->steady);
     Py_CLEAR(front->entries);
     Py_CLEAR(front->runtime);
+    Py_CLEAR(front->comm_stream);
     Py_CLEAR(front->buffer_id);
     Py_CLEAR(front->handle_type);
     Py_CLEAR(front->event_handle_type);
@@ -621,6 +804,7 @@ int front_traverse(PyObject* self, visitproc visit, void* arg) {
     Py_VISIT(front->steady);
     Py_VISIT(front->entries);
     Py_VISIT(front->runtime);
+    Py_VISIT(front->comm_stream);
     Py_VISIT(front->buffer_id);
     Py_VISIT(front->handle_type);
     Py_VISIT(front->event_handle_type);
