@@ -9,8 +9,8 @@
 // spin (`NvlinkRuntime.wait_counts`), a routing the device rejected, the epilogue grid of a CPU-sync
 // call's rows.
 //
-// The keys are the only ones the steady path has (the Python path records under `dispatch_key`'s),
-// so a recording and its replays cannot disagree about them.
+// The keys are the only ones the steady path has (the Python path records under `Front.dispatch_key`'s
+// and `Front.combine_key`'s), so a recording and its replays cannot disagree about them.
 #include <sched.h>
 
 #include <initializer_list>
@@ -168,7 +168,8 @@ PyObject* scalars_and_types(PyObject* const* scalars, Py_ssize_t count) {
     return both;
 }
 
-// A handle's shape (steady.py's `handle_shape`, through its attrgetters)
+// A handle's shape: the fields steady.py's `_SHAPE_FIELDS` names, read by its attrgetters (a CPU-sync
+// handle's without its row counts)
 PyObject* handle_shape(FrontObject* front, PyObject* handle, int* do_cpu_sync) {
     Ref synced(PyObject_GetAttr(handle, names.do_cpu_sync));
     if (!synced) return nullptr;
