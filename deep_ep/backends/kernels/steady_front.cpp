@@ -409,6 +409,16 @@ PyObject* run_program(PyObject* program, PyObject* inputs, PyObject* event, PyOb
     return program_run(program, args, 3);
 }
 
+// The dispatch epilogue's grid over `num_meta_rows` received tokens, as dispatch.py launches it:
+// `runtime.grid_for_rows(num_meta_rows, entry.busy_sms) + runtime.nic_ctas`
+PyObject* epilogue_grid(FrontObject* front, PyObject* entry, PyObject* num_meta_rows) {
+    Ref busy(PyObject_GetAttr(entry, names.busy_sms));
+    Ref grid(busy ? PyObject_CallMethodObjArgs(front->runtime, names.grid_for_rows, num_meta_rows, busy.get(), nullptr)
+                  : nullptr);
+    Ref nic(grid ? PyObject_GetAttr(front->runtime, names.nic_ctas) : nullptr);
+    return nic ? PyNumber_Add(grid.get(), nic.get()) : nullptr;
+}
+
 // A CPU-sync handle's row counts and its epilogue's grid (`(num_out_rows, num_meta_rows, grid)`), or ()
 PyObject* handle_values(FrontObject* front, PyObject* handle, PyObject* entry, bool with_grid) {
     Ref synced(PyObject_GetAttr(handle, names.do_cpu_sync));
@@ -421,12 +431,8 @@ PyObject* handle_values(FrontObject* front, PyObject* handle, PyObject* entry, b
     Ref out(do_expand ? PyObject_GetAttr(handle, names.num_expanded_tokens) : Py_XNewRef(meta.get()));
     if (!meta || !out) return nullptr;
     if (!with_grid) return PyTuple_Pack(2, out.get(), meta.get());
-    Ref busy(PyObject_GetAttr(entry, names.busy_sms));
-    if (!busy) return nullptr;
-    Ref grid(PyObject_CallMethodObjArgs(front->runtime, names.grid_for_rows, meta.get(), busy.get(), nullptr));
-    Ref nic(PyObject_GetAttr(front->runtime, names.nic_ctas));
-    if (!grid || !nic) return nullptr;
-    return tuple_of({out.release(), meta.release(), PyNumber_Add(grid.get(), nic.get())});
+    PyObject* grid = epilogue_grid(front, entry, meta.get());
+    return tuple_of({out.release(), meta.release(), grid});
 }
 
 // After inputs could not be gathered: `None` for a handle that lacks a field (one made by hand: the
@@ -541,12 +547,9 @@ PyObject* finish_synced(FrontObject* front, PyObject* entry, PyObject* inputs, P
     }
     long long num_out_rows = do_expand ? num_expanded : num_recv_tokens;
     Ref meta(PyLong_FromLongLong(num_recv_tokens)), out(PyLong_FromLongLong(num_out_rows));
-    Ref expanded(PyLong_FromLongLong(num_expanded)), busy(PyObject_GetAttr(entry, names.busy_sms));
-    if (!meta || !out || !expanded || !busy) return nullptr;
-    Ref grid(PyObject_CallMethodObjArgs(front->runtime, names.grid_for_rows, meta.get(), busy.get(), nullptr));
-    Ref nic(grid ? PyObject_GetAttr(front->runtime, names.nic_ctas) : nullptr);
-    Ref values(nic ? tuple_of({Py_NewRef(out.get()), Py_NewRef(meta.get()), PyNumber_Add(grid.get(), nic.get())})
-                   : nullptr);
+    Ref expanded(PyLong_FromLongLong(num_expanded));
+    if (!meta || !out || !expanded) return nullptr;
+    Ref values(tuple_of({Py_NewRef(out.get()), Py_NewRef(meta.get()), epilogue_grid(front, entry, meta.get())}));
     Ref second_inputs(values ? PySequence_Concat(inputs, carried) : nullptr);
     Ref program(second_inputs ? PyObject_GetAttr(entry, names.program) : nullptr);
     if (!program) return nullptr;
