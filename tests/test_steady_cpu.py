@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import random
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
@@ -375,3 +375,61 @@ def test_the_front_gathers_inputs_in_program_order_and_leaves_unknown_calls_to_p
     # A handle made by hand without a backend state: the Python path says what is wrong with it
     handle.backend_state = None
     assert front.combine(*args) is None
+
+
+def test_the_front_remembers_the_last_calls_entry_until_the_entries_change():
+    module, reason = steady_module()
+    assert module is not None, reason
+    if torch.cuda.is_available():
+        pytest.skip("the refusal below needs the recorded CPU tensors to be refused (no CUDA)")
+    buffer_id = random.randint(1, 1000)
+    steady = SteadyPath(module, _Runtime(), _stream(), buffer_id)
+    front, handle = steady.front, _handle(buffer_id, True, random.randint(1, 50))
+    rows, hidden = random.randint(1, 50), random.choice([64, 128])
+    args = _combine_args(torch.randn(rows, hidden), handle)
+    scratch, out = torch.randn(16), torch.empty(32)
+    description, keep = describe_program([scratch], _stream(), _recording(args[0], out, scratch, _stream()),
+                                         [args[0], None], [out], False, False)  # fmt: skip
+    key = front.combine_key(*args)
+    steady.entries[key] = Entry(module.Program(description), keep)
+    # The entry's program serves the call (it refuses these inputs loudly: a combine has nine)
+    for x in (args[0], torch.randn(rows + 1, hidden)):  # a CPU-sync handle's rows are the call's values
+        with pytest.raises(TypeError, match="expected 2 inputs"):
+            front.combine(*_combine_args(x, handle))
+    # Whatever changes the key misses the remembered entry: another scalar type, size, dtype, event, bias
+    for other in (_combine_args(args[0], handle, num_sms=0.0), _combine_args(args[0], handle, num_qps=False),
+                  _combine_args(torch.randn(rows, hidden + 16), handle), _combine_args(args[0].double(), handle),
+                  _combine_args(args[0], handle, previous_event=EventHandle(use_cuda=False)),
+                  _combine_args(args[0], handle, bias=args[0]),
+                  _combine_args(args[0], _handle(buffer_id, True, rows, num_sms=handle.num_sms + 1))):  # fmt: skip
+        assert front.combine_key(*other) != key and front.combine(*other) is None
+    with pytest.raises(TypeError, match="expected 2 inputs"):
+        front.combine(*args)
+    # A change of the entries through the steady path drops the memo: the new entry serves the call
+    steady._remember(key, "a reason")  # a recorded key keeps its program
+    with pytest.raises(TypeError, match="expected 2 inputs"):
+        front.combine(*args)
+    del steady.entries[key]
+    steady._remember(key, "declined now")
+    assert steady.entries[key] is None and front.combine(*args) is None
+    assert steady.num_calls == 0
+
+
+def test_the_fronts_epilogue_grid_is_the_runtimes():
+    from deep_ep.backends.kernels.runtime import NvlinkRuntime
+
+    module, reason = steady_module()
+    assert module is not None, reason
+    buffer_id = random.randint(1, 1000)
+    front = SteadyPath(module, _Runtime(), _stream(), buffer_id).front
+    entry = Entry(None, [])
+    for _ in range(200):
+        runtime = SimpleNamespace(num_device_sms=random.randint(8, 160), nic_ctas=random.randint(0, 1),
+                                  share=SimpleNamespace(exclusive=random.random() < 0.5))  # fmt: skip
+        runtime.epilogue_terms = MethodType(NvlinkRuntime.epilogue_terms, runtime)
+        busy, rows = random.randint(1, runtime.num_device_sms), random.randint(0, 100_000)
+        entry.epilogue_terms = runtime.epilogue_terms(busy)
+        expected = NvlinkRuntime.grid_for_rows(runtime, rows, busy) + runtime.nic_ctas
+        assert front.epilogue_grid(entry, rows) == expected
+    with pytest.raises(ValueError, match="negative rows"):
+        front.epilogue_grid(entry, -1)

@@ -521,13 +521,19 @@ class NvlinkRuntime:
         NIC's) leaves free. An epilogue CTA cannot share an SM with a communication CTA
         (registers), so one placed behind it would hold its rows, spread over the whole batch, until
         the transfer ends. With an exclusive share, the free SMs are all there is."""
-        rows_per_cta = specs.NUM_THREADS // 32
+        num_sms, rows_per_cta, _ = self.epilogue_terms(num_busy_sms)
+        return max(1, min(num_sms, (num_rows + rows_per_cta - 1) // rows_per_cta))
+
+    def epilogue_terms(self, num_busy_sms: int) -> tuple[int, int, int]:
+        """What an epilogue's grid next to a communication kernel of `num_busy_sms` working CTAs is
+        made of: the most working CTAs, the rows per CTA, and the NIC's CTAs launched besides them
+        (`grid_for_rows`; the steady path's front computes a replay's grid from them)."""
         num_free_sms = self.num_device_sms - num_busy_sms - 2 * self.nic_ctas
         if self.share.exclusive or num_free_sms >= self.num_device_sms // 4:
             num_sms = max(1, num_free_sms)
         else:
             num_sms = self.num_device_sms
-        return max(1, min(num_sms, (num_rows + rows_per_cta - 1) // rows_per_cta))
+        return num_sms, specs.NUM_THREADS // 32, self.nic_ctas
 
     # ---------------------------------------------------------------- rank masking
 

@@ -40,6 +40,7 @@ namespace {
 struct Driver {
     decltype(&cuLaunchKernelEx) launch = nullptr;
     decltype(&cuStreamWaitEvent) wait_event = nullptr;
+    decltype(&cuEventRecord) record_event = nullptr;
     decltype(&cuStreamIsCapturing) is_capturing = nullptr;
     decltype(&cuGetErrorString) error_string = nullptr;
     std::string problem;
@@ -56,11 +57,13 @@ const Driver& driver() {
         }
         d.launch = reinterpret_cast<decltype(d.launch)>(dlsym(lib, "cuLaunchKernelEx"));
         d.wait_event = reinterpret_cast<decltype(d.wait_event)>(dlsym(lib, "cuStreamWaitEvent"));
+        d.record_event = reinterpret_cast<decltype(d.record_event)>(dlsym(lib, "cuEventRecord"));
         d.is_capturing = reinterpret_cast<decltype(d.is_capturing)>(dlsym(lib, "cuStreamIsCapturing"));
         d.error_string = reinterpret_cast<decltype(d.error_string)>(dlsym(lib, "cuGetErrorString"));
-        if (!d.launch || !d.wait_event || !d.is_capturing || !d.error_string)
+        if (!d.launch || !d.wait_event || !d.record_event || !d.is_capturing || !d.error_string)
             d.problem =
-                "libcuda.so.1 lacks cuLaunchKernelEx, cuStreamWaitEvent, cuStreamIsCapturing or cuGetErrorString";
+                "libcuda.so.1 lacks cuLaunchKernelEx, cuStreamWaitEvent, cuEventRecord, cuStreamIsCapturing or "
+                "cuGetErrorString";
         return d;
     }();
     return loaded;
@@ -373,9 +376,29 @@ struct RunFailure {
     std::string message;
 };
 
+// Record `event` on `stream` (`handle`): through torch the first time, which creates the event on the
+// stream's device and marks it recorded, then straight through the driver. The record is the same;
+// torch's device switches around it cost the host about half a microsecond per event.
+void record(c10::Event& event, const c10::Stream& stream, CUstream handle) {
+    if (!event.was_marked_for_recording() || event.eventId() == nullptr ||
+        event.device_index() != stream.device_index()) {
+        event.record(stream);
+        return;
+    }
+    CUresult result = driver().record_event(static_cast<CUevent>(event.eventId()), handle);
+    if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuEventRecord")};
+}
+
+// Make `handle` wait for the last record of `event`
+void wait_for(const c10::Event& event, CUstream handle) {
+    CUresult result = driver().wait_event(handle, static_cast<CUevent>(event.eventId()), 0);
+    if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamWaitEvent")};
+}
+
 // Where a call's host time goes (`Program.phase_ns`): the time since the previous mark is added to a phase
+template <size_t kCount>
 struct PhaseClock {
-    std::array<uint64_t, kNumPhases>& totals;
+    std::array<uint64_t, kCount>& totals;
     std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
 
     void mark(int phase) {
@@ -432,11 +455,12 @@ std::vector<at::Tensor> allocate(const Program& program, const std::vector<int64
 
 // What `run` does without the GIL: returns the output tensors and the end event.
 std::vector<at::Tensor> run_native(Program& program, const std::vector<const at::Tensor*>& inputs, void* previous_event,
-                                   const std::vector<int64_t>& values, c10::Event* end_event, PhaseClock& clock) {
+                                   const std::vector<int64_t>& values, c10::Event* end_event,
+                                   const c10::Stream& compute, CUstream compute_handle, PhaseClock<kNumPhases>& clock) {
     const Driver& d = driver();
     const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::Device device(c10::DeviceType::CUDA, program.device_index);
-    c10::Stream compute = impl->getStream(device), comm = program.comm_stream;
+    c10::Stream comm = program.comm_stream;
     CUstream comm_handle = program.comm_handle;
 
     // The communication starts after the compute stream's work (or the given event), as V2's does
@@ -445,8 +469,8 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
         if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamWaitEvent")};
     } else if (program.begins) {
         if (!program.compute_ready) program.compute_ready.emplace(c10::DeviceType::CUDA);
-        program.compute_ready->record(compute);
-        program.compute_ready->block(comm);
+        record(*program.compute_ready, compute, compute_handle);
+        wait_for(*program.compute_ready, comm_handle);
     }
     clock.mark(1);
 
@@ -519,11 +543,11 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
             impl->recordDataPtrOnStream(storage.data_ptr(), comm);
         }
     if (end_event != nullptr) {
-        end_event->record(comm);
+        record(*end_event, comm, comm_handle);
         if (async && program.record_inputs)
             for (const at::Tensor* t : inputs)
                 if (t != nullptr) impl->recordDataPtrOnStream(t->storage().data_ptr(), comm);
-        if (!async) end_event->block(compute);
+        if (!async) wait_for(*end_event, compute_handle);
     }
     clock.mark(4);
 
@@ -546,7 +570,7 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
 //   compute stream is being captured (the caller takes the Python path)
 PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
     Program& program = *reinterpret_cast<ProgramObject*>(self)->program;
-    PhaseClock clock{program.phase_ns};
+    PhaseClock<kNumPhases> clock{program.phase_ns};
     if (num_args != 3 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "Program.run(inputs: tuple, previous_event: int | None, values: tuple)");
         return nullptr;
@@ -616,7 +640,8 @@ PyObject* program_run(PyObject* self, PyObject* const* args, Py_ssize_t num_args
             if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamIsCapturing")};
         }
         declined = !named || status != CU_STREAM_CAPTURE_STATUS_NONE;
-        if (!declined) outputs = run_native(program, inputs, previous_event, values, end_event.get(), clock);
+        if (!declined)
+            outputs = run_native(program, inputs, previous_event, values, end_event.get(), current, compute, clock);
     } catch (const RunFailure& error) {
         failure = error.message;
     } catch (const std::exception& error) {

@@ -14,9 +14,9 @@ thousands of times, and on a GPU machine's CPU every torch call from Python cost
   inputs and allocations go. It declines (the shape stays on the Python path) when an address is
   ambiguous (two inputs at one address, an empty tensor) or comes from a tensor that is neither an
   input, an allocation of the call nor one of the runtime's own (a copy made inside the call).
-- Every call goes first to the buffer's `Front` (`steady_front.cpp`), which makes its key, finds
-  the key's entry and gathers the inputs, all in C++ (in Python they cost the host 10-14 us per
-  call on the GPU machine). A call whose key has a program goes to `Program.run`, which compares
+- Every call goes first to the buffer's `Front` (`steady_front.cpp`, `steady_calls.cpp`), which
+  makes its key (or finds the last call like it), finds the key's entry and gathers the inputs, all
+  in C++ (in Python they cost the host 10-14 us per call on the GPU machine). A call whose key has a program goes to `Program.run`, which compares
   every input tensor with the recording (dtype, sizes, strides, device) and returns `None` on any
   difference: the call then takes the Python path, whose checks raise the error a bad input
   deserves. Otherwise it makes V2's stream choreography, allocates and launches; the handle and
@@ -64,12 +64,14 @@ from . import specs
 from .dispatch import raise_rejected_routing
 from .runtime import INPUT_ERROR_WORD, NvlinkRuntime, track_pointers
 
-SOURCES = (Path(__file__).with_name("steady.cpp"), Path(__file__).with_name("steady_front.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("steady.cpp", "steady_front.cpp", "steady_calls.cpp"))
 # Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
 MAX_PROGRAMS = 64
 ENV_SWITCH = "EP_STEADY"
 # The phases of a replay whose host nanoseconds a program sums (`Program.phase_ns`, steady.cpp)
 PHASES = ("checks", "stream wait", "allocations", "launches", "end event and record_stream", "outputs to Python")
+# The phases of a replayed call in the front (`Front.phase_ns`, steady_front.cpp); "programs" holds `PHASES`
+FRONT_PHASES = ("key", "inputs", "programs", "count wait", "results")
 
 # The tensors a fresh dispatch returns, in the order `dispatch_sources` lists them: the results, the
 # new handle's, and its backend state's
@@ -90,8 +92,8 @@ _exact_shape = operator.attrgetter(*_SHAPE_FIELDS, "num_recv_tokens", "num_expan
 
 @functools.cache
 def steady_module() -> tuple[ModuleType | None, str | None]:
-    """The compiled `steady.cpp` and `steady_front.cpp` (one unit, built once per torch and Python,
-    then cached), or `None` and why."""
+    """The compiled `SOURCES` (one unit, built once per torch and Python, then cached), or `None` and
+    why."""
     from deep_ep.jit import load_torch_extension
 
     try:
@@ -295,9 +297,9 @@ class Entry:
     """A recorded shape: its program (which returns the call's results in order) and the templates
     of the objects a call returns. A CPU-sync dispatch has two programs: `first` (up to the host's wait
     for the counts) and `program` (the rest), and what its replay does with rejected routing
-    (`drain`) on how many SMs its communication kernel runs (`busy_sms`)."""
+    (`drain`), and what its epilogue's grid is made of (`NvlinkRuntime.epilogue_terms`)."""
 
-    __slots__ = ("busy_sms", "drain", "first", "handle", "keep", "program", "state")
+    __slots__ = ("drain", "epilogue_terms", "first", "handle", "keep", "program", "state")
 
     def __init__(self, program: Any, keep: list[torch.Tensor], handle: EPHandle | None = None,
                  state: Any = None) -> None:  # fmt: skip
@@ -305,7 +307,7 @@ class Entry:
         self.handle, self.state = handle, state
         self.first: Any = None
         self.drain: Callable[[], None] | None = None
-        self.busy_sms = 0
+        self.epilogue_terms = (1, 1, 0)
 
 
 class SteadyPath:
@@ -344,13 +346,14 @@ class SteadyPath:
 
     def phase_ns(self) -> dict[str, int]:
         """Host nanoseconds per phase (`PHASES`) summed over this buffer's replays so far (both
-        programs of a CPU-sync dispatch)."""
+        programs of a CPU-sync dispatch), then the front's per `FRONT_PHASES` as `'front: <name>'`."""
         totals = [0] * len(PHASES)
         for entry in self.entries.values():
             for program in () if entry is None else (entry.program, entry.first):
                 if program is not None:
                     totals = [a + b for a, b in zip(totals, program.phase_ns, strict=True)]
-        return dict(zip(PHASES, totals, strict=True))
+        front = {f"front: {name}": ns for name, ns in zip(FRONT_PHASES, self.front.phase_ns, strict=True)}
+        return dict(zip(PHASES, totals, strict=True)) | front
 
     # ----------------------------------------------------------------------------- recording
 
@@ -386,8 +389,10 @@ class SteadyPath:
             self._remember(key, f"recording failed: {type(error).__name__}: {error}")
 
     def _remember(self, key: tuple, built: Any, handle: EPHandle | None = None, state: Any = None) -> None:
+        """The only change of `entries` (the front's memos of the last calls' entries go with it)."""
         if isinstance(built, str) and self.entries.get(key) is not None:
             return  # a call unlike the recorded one (its inputs' layout): the recording stays
+        self.front.entries_changed()
         if len(self.entries) >= MAX_PROGRAMS:
             del self.entries[next(iter(self.entries))]
         if isinstance(built, str):
@@ -434,7 +439,7 @@ class SteadyPath:
         self._remember(key, built, *templates)
         entry = self.entries.get(key)
         if entry is not None and recorder.launches:
-            entry.busy_sms = recorder.launches[0][1][0] - self.runtime.nic_ctas
+            entry.epilogue_terms = self.runtime.epilogue_terms(recorder.launches[0][1][0] - self.runtime.nic_ctas)
         if synced and entry is not None and entry.first is None:
             entry.first, entry.drain = self.module.Program(first[0]), recorder.drain
 
