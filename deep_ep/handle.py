@@ -59,6 +59,8 @@ class EPHandle:
 
     Pass it to `ElasticBuffer.combine` to send the rows back, or to `ElasticBuffer.dispatch` (with
     `topk_idx=None`) to dispatch new data with the same routing without recomputing the layout.
+    A handle is the record of its dispatch: leave its fields as they are (the steady path keeps what
+    it read of them the first time).
     Notation as in `deep_ep.backends.base`: `N` ranks, `L` local experts, `T` tokens of the dispatching
     rank, `K` lanes, `Tmax` max tokens per rank, `a` the expert alignment.
 
@@ -102,6 +104,9 @@ class EPHandle:
         num_masked_lanes: `[1]` `torch.int32`, the lanes of this rank's tokens that rank masking
             dropped (their expert's rank, or this rank, was masked); `None` without rank masking.
     """
+
+    # What the steady path's keys take of a handle, kept once read (`Front.handle_summary`)
+    _steady_shape: tuple | None = None
 
     def __init__(
         self,

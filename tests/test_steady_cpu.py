@@ -13,7 +13,16 @@ import pytest
 import torch
 from deep_ep.jit import U64, Opaque
 
-from deep_ep.backends.kernels.steady import STATE_FIELDS, Entry, Recorder, SteadyPath, describe_program, steady_module
+from deep_ep.backends.kernels.steady import (
+    STATE_FIELDS,
+    Entry,
+    Recorder,
+    SteadyPath,
+    _exact_shape,
+    _synced_shape,
+    describe_program,
+    steady_module,
+)
 from deep_ep.event import EventHandle
 from deep_ep.handle import EPHandle
 
@@ -433,3 +442,23 @@ def test_the_fronts_epilogue_grid_is_the_runtimes():
         assert front.epilogue_grid(entry, rows) == expected
     with pytest.raises(ValueError, match="negative rows"):
         front.epilogue_grid(entry, -1)
+
+
+def test_the_front_keeps_what_its_keys_take_of_a_handle_in_the_handle():
+    module, reason = steady_module()
+    assert module is not None, reason
+    buffer_id = random.randint(1, 1000)
+    front = SteadyPath(module, _Runtime(), _stream(), buffer_id).front
+    synced, exact = _handle(buffer_id, True, random.randint(1, 50)), _handle(buffer_id, False, random.randint(1, 50))
+    y = torch.randn(synced.num_recv_tokens, 64)
+    assert synced._steady_shape is None
+    key = front.combine_key(*_combine_args(y, synced))
+    kept = synced._steady_shape
+    assert kept == (buffer_id, True, _synced_shape(synced)) and key is not None
+    assert front.handle_summary(exact) == (buffer_id, False, _exact_shape(exact)) == exact._steady_shape
+    # A handle made from a template (a replay's) carries the template's, and makes the same key
+    made = module.copy_with(synced, ("topk_idx", "num_recv_tokens"), (None, synced.num_recv_tokens + 1), 0)
+    assert made._steady_shape is kept and front.combine_key(*_combine_args(y[1:], made)) == key
+    # Another buffer's handle: the Python path (which names the buffer that made it)
+    other = _handle(buffer_id + 1, True, 3)
+    assert front.combine_key(*_combine_args(y, other)) is None and other._steady_shape[0] == buffer_id + 1

@@ -422,6 +422,11 @@ PyObject* front_entries_changed(PyObject* self, PyObject*) {
     Py_RETURN_NONE;
 }
 
+// front.handle_summary(handle): what the keys take of an EPHandle, kept in it (`handle_summary`)
+PyObject* front_handle_summary(PyObject* self, PyObject* handle) {
+    return handle_summary(reinterpret_cast<FrontObject*>(self), handle);
+}
+
 PyObject* front_epilogue_grid(PyObject*, PyObject* const* args, Py_ssize_t num_args) {
     if (num_args != 2) {
         PyErr_SetString(PyExc_TypeError, "Front.epilogue_grid(entry, num_meta_rows)");
@@ -443,6 +448,7 @@ PyMethodDef front_methods[] = {
     {"dispatch_inputs", fastcall<front_dispatch_inputs>(), METH_FASTCALL, "a dispatch's program inputs"},
     {"combine_inputs", fastcall<front_combine_inputs>(), METH_FASTCALL, "a combine's program inputs"},
     {"entries_changed", front_entries_changed, METH_NOARGS, "forget the last calls' entries"},
+    {"handle_summary", front_handle_summary, METH_O, "(buffer_id, do_cpu_sync, shape) of a handle, kept in it"},
     {"epilogue_grid", fastcall<front_epilogue_grid>(), METH_FASTCALL, "a dispatch epilogue's grid (an entry's)"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -24,10 +24,10 @@ struct Names {
     PyObject *shape, *dtype, *buffer_id, *do_cpu_sync, *do_expand, *num_recv_tokens, *num_expanded_tokens, *num_experts,
         *topk_idx, *backend_state, *slot_idx, *num_tokens_per_rank, *num_unaligned_recv_tokens_per_expert,
         *recv_src_metadata, *psum_num_recv_tokens_per_scaleup_rank, *event, *cuda_event, *program, *handle, *state,
-        *first, *epilogue_terms, *dead_reason, *num_experts_checked, *check_error, *take_input_error, *grid_for_rows,
-        *nic_ctas, *num_recv_tokens_per_expert_list, *dispatch, *combine, *next_counts_sequence, *wait_counts,
-        *num_counts_waits, *counts_wait_ns, *fail_between_launches, *rejected, *expert_alignment, *num_out_rows,
-        *num_meta_rows, *num_expanded_rows;
+        *first, *epilogue_terms, *steady_shape, *dead_reason, *num_experts_checked, *check_error, *take_input_error,
+        *grid_for_rows, *nic_ctas, *num_recv_tokens_per_expert_list, *dispatch, *combine, *next_counts_sequence,
+        *wait_counts, *num_counts_waits, *counts_wait_ns, *fail_between_launches, *rejected, *expert_alignment,
+        *num_out_rows, *num_meta_rows, *num_expanded_rows;
     PyObject *zero, *from_one;  // 0, and the slice `1:`
 };
 Names names;
@@ -59,6 +59,7 @@ bool intern_names() {
                          {&names.state, "state"},
                          {&names.first, "first"},
                          {&names.epilogue_terms, "epilogue_terms"},
+                         {&names.steady_shape, "_steady_shape"},
                          {&names.dead_reason, "dead_reason"},
                          {&names.num_experts_checked, "num_experts_checked"},
                          {&names.check_error, "check_error"},
@@ -238,21 +239,35 @@ PyObject* tuple_of(std::initializer_list<PyObject*> values) {
     return tuple;
 }
 
-// A handle's shape: the fields steady.py's `_SHAPE_FIELDS` names, read by its attrgetters (a CPU-sync
-// handle's without its row counts)
-PyObject* handle_shape(FrontObject* front, PyObject* handle, int* do_cpu_sync) {
-    Ref synced(PyObject_GetAttr(handle, names.do_cpu_sync));
-    if (!synced) return nullptr;
-    *do_cpu_sync = PyObject_IsTrue(synced.get());
-    if (*do_cpu_sync < 0) return nullptr;
-    return PyObject_CallOneArg(*do_cpu_sync ? front->synced_shape : front->exact_shape, handle);
+// What the keys take of an EPHandle (new reference): `(buffer_id, do_cpu_sync, shape)`, the shape being
+// the fields steady.py's `_SHAPE_FIELDS` names (a CPU-sync handle's without its row counts), read by its
+// attrgetters. Read on first sight and kept in the handle as `_steady_shape` (a template's when it is
+// recorded, so that the handles a replay makes from it have theirs): a handle is the record of its
+// dispatch, never changed after it is made, and ten attribute reads cost the host a microsecond.
+PyObject* handle_summary(FrontObject* front, PyObject* handle) {
+    Ref kept(PyObject_GetAttr(handle, names.steady_shape));
+    if (!kept) return nullptr;
+    if (PyTuple_CheckExact(kept.get()) && PyTuple_GET_SIZE(kept.get()) == 3) return kept.release();
+    Ref buffer_id(PyObject_GetAttr(handle, names.buffer_id));
+    Ref synced(buffer_id ? PyObject_GetAttr(handle, names.do_cpu_sync) : nullptr);
+    int do_cpu_sync = synced ? PyObject_IsTrue(synced.get()) : -1;
+    if (do_cpu_sync < 0) return nullptr;
+    Ref summary(tuple_of({buffer_id.release(), bool_of(do_cpu_sync),
+                          PyObject_CallOneArg(do_cpu_sync ? front->synced_shape : front->exact_shape, handle)}));
+    if (!summary || PyObject_SetAttr(handle, names.steady_shape, summary.get()) < 0) return nullptr;
+    return summary.release();
 }
 
-// Whether `handle` is an EPHandle of this buffer (1), not (0), or an error (-1)
-int own_handle(FrontObject* front, PyObject* handle) {
-    if (Py_TYPE(handle) != reinterpret_cast<PyTypeObject*>(front->handle_type)) return 0;
-    Ref buffer_id(PyObject_GetAttr(handle, names.buffer_id));
-    return buffer_id ? PyObject_RichCompareBool(buffer_id.get(), front->buffer_id, Py_EQ) : -1;
+// The shape of `handle` (`handle_summary`'s, new reference) when it is an EPHandle of this buffer, and
+// whether it has CPU-sync rows; `Py_None` (new reference) for anything else, null on an error
+PyObject* handle_shape(FrontObject* front, PyObject* handle, int* do_cpu_sync) {
+    if (Py_TYPE(handle) != reinterpret_cast<PyTypeObject*>(front->handle_type)) return Py_NewRef(Py_None);
+    Ref summary(handle_summary(front, handle));
+    if (!summary) return nullptr;
+    int own = PyObject_RichCompareBool(PyTuple_GET_ITEM(summary.get(), 0), front->buffer_id, Py_EQ);
+    if (own <= 0) return own < 0 ? nullptr : Py_NewRef(Py_None);
+    *do_cpu_sync = PyTuple_GET_ITEM(summary.get(), 1) == Py_True;
+    return Py_NewRef(PyTuple_GET_ITEM(summary.get(), 2));
 }
 
 // Whether a call with these events can take the steady path: no `previous_event_before_epilogue`, and a
@@ -317,12 +332,10 @@ int dispatch_fingerprint(FrontObject* front, PyObject* const* a, Fingerprint& f,
         if (a[kDoCpuSync] != Py_False && a[kColMajorScales] != Py_False) return 0;
         shape.obj = Py_NewRef(Py_None);
     } else {
-        int own = own_handle(front, handle);
-        if (own <= 0) return own;
-        if (a[kStats] != Py_None) return 0;
         int do_cpu_sync = 0;
         shape.obj = handle_shape(front, handle, &do_cpu_sync);
         if (!shape) return -1;
+        if (shape.get() == Py_None || a[kStats] != Py_None) return 0;
         // With CPU sync the handle's rows change with every dispatch: they are the call's values, and the
         // scales' column stride would follow them
         if (do_cpu_sync && a[kColMajorScales] != Py_False) return 0;
@@ -350,12 +363,10 @@ int dispatch_fingerprint(FrontObject* front, PyObject* const* a, Fingerprint& f,
 int combine_fingerprint(FrontObject* front, PyObject* const* a, Fingerprint& f, Ref& shape) {
     if (!plain_events(front, a[kCombinePreviousEvent], a[kCombinePreviousEventBeforeEpilogue])) return 0;
     PyObject *handle = a[kCombineHandle], *bias = a[kBias];
-    int own = own_handle(front, handle);
-    if (own <= 0) return own;
-    if (PyTuple_CheckExact(bias) && PyTuple_GET_SIZE(bias) != 2) return 0;
     int do_cpu_sync = 0;
     shape.obj = handle_shape(front, handle, &do_cpu_sync);
     if (!shape) return -1;
+    if (shape.get() == Py_None || (PyTuple_CheckExact(bias) && PyTuple_GET_SIZE(bias) != 2)) return 0;
     if (!f.add_tensor(a[kCombineX], do_cpu_sync ? 1 : 0)) return 0;  // a CPU-sync handle's rows are values
     f.add((a[kCombineTopkWeights] == Py_None) | (a[kCombinePreviousEvent] == Py_None) << 1);
     f.add_object(shape.get());
