@@ -153,21 +153,45 @@ PyObject* dispatch_synced(FrontObject* front, PyObject* entry, PyObject* first, 
     return nullptr;
 }
 
+// How a call of `Front.<name>` starts: its argument count, its fingerprint, and the entry its key has
+// (`entry_of`). 1 with `entry` set, 0 when the Python path takes the call, -1 on an error.
+template <int (*kFingerprint)(FrontObject*, PyObject* const*, Fingerprint&, Ref&)>
+int find_entry(FrontObject* front, PyObject* const* args, Py_ssize_t num_args, Py_ssize_t expected, const char* name,
+               Memo& memo, PyObject* op, Ref& entry) {
+    if (num_args != expected) {
+        PyErr_Format(PyExc_TypeError, "Front.%s takes %zd arguments, got %zd", name, expected, num_args);
+        return -1;
+    }
+    Fingerprint fingerprint;
+    Ref shape;
+    int made = kFingerprint(front, args, fingerprint, shape);
+    if (made <= 0) return made;
+    entry.obj = entry_of(front, memo, op, fingerprint);
+    return entry ? 1 : (PyErr_Occurred() ? -1 : 0);
+}
+
+// The entry's program run on a call's inputs (the front's phases marked): its results, `Py_None` when it
+// refused them (counted: the Python path takes the call), or null
+PyObject* replay(FrontObject* front, PyObject* entry, PyObject* inputs, PyObject* event, PyObject* values,
+                 FrontClock& clock) {
+    Ref program(PyObject_GetAttr(entry, names.program));
+    if (!program) return nullptr;
+    clock.mark(kInputsPhase);
+    PyObject* outputs = run_program(program.get(), inputs, event, values);
+    clock.mark(kProgramsPhase);
+    if (outputs == Py_None) ++front->num_refused;
+    return outputs;
+}
+
 // front.dispatch(<ElasticBuffer.dispatch's arguments, in order>) -> V2's results, or None when no
 // program served the call (no key, no program, or a program that refused the inputs)
 PyObject* front_dispatch(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
     auto* front = reinterpret_cast<FrontObject*>(self);
     FrontClock clock{front->phase_ns};
-    if (num_args != kNumDispatchArgs) {
-        PyErr_Format(PyExc_TypeError, "Front.dispatch takes %d arguments, got %zd", kNumDispatchArgs, num_args);
-        return nullptr;
-    }
-    Fingerprint fingerprint;
-    Ref shape;
-    int made = dispatch_fingerprint(front, args, fingerprint, shape);
-    if (made <= 0) return made < 0 ? nullptr : Py_NewRef(Py_None);
-    Ref entry(entry_of(front, front->dispatch_memo, names.dispatch, fingerprint));
-    if (!entry) return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
+    Ref entry;
+    int found = find_entry<dispatch_fingerprint>(front, args, num_args, kNumDispatchArgs, "dispatch",
+                                                 front->dispatch_memo, names.dispatch, entry);
+    if (found <= 0) return found < 0 ? nullptr : Py_NewRef(Py_None);
     clock.mark(kKeyPhase);
     PyObject* handle = args[kHandle];
     Ref inputs(dispatch_inputs(args[kX], args[kTopkIdx], args[kTopkWeights], args[kStats], handle));
@@ -189,16 +213,9 @@ PyObject* front_dispatch(PyObject* self, PyObject* const* args, Py_ssize_t num_a
         return results;
     }
     Ref values(handle == Py_None ? PyTuple_New(0) : handle_values(handle, entry.get(), true));
-    Ref program(PyObject_GetAttr(entry.get(), names.program));
-    if (!values || !program) return nullptr;
-    clock.mark(kInputsPhase);
-    Ref outputs(run_program(program.get(), inputs.get(), event.get(), values.get()));
-    clock.mark(kProgramsPhase);
-    if (!outputs) return nullptr;
-    if (outputs.get() == Py_None) {
-        ++front->num_refused;
-        Py_RETURN_NONE;
-    }
+    if (!values) return nullptr;
+    Ref outputs(replay(front, entry.get(), inputs.get(), event.get(), values.get(), clock));
+    if (!outputs || outputs.get() == Py_None) return outputs.release();
     Ref made_handle;
     if (handle == Py_None) {  // a fresh dispatch
         made_handle.obj = fresh_handle(front, entry.get(), outputs.get());
@@ -219,32 +236,19 @@ PyObject* front_dispatch(PyObject* self, PyObject* const* args, Py_ssize_t num_a
 PyObject* front_combine(PyObject* self, PyObject* const* args, Py_ssize_t num_args) {
     auto* front = reinterpret_cast<FrontObject*>(self);
     FrontClock clock{front->phase_ns};
-    if (num_args != kNumCombineArgs) {
-        PyErr_Format(PyExc_TypeError, "Front.combine takes %d arguments, got %zd", kNumCombineArgs, num_args);
-        return nullptr;
-    }
-    Fingerprint fingerprint;
-    Ref shape;
-    int made = combine_fingerprint(front, args, fingerprint, shape);
-    if (made <= 0) return made < 0 ? nullptr : Py_NewRef(Py_None);
-    Ref entry(entry_of(front, front->combine_memo, names.combine, fingerprint));
-    if (!entry) return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
+    Ref entry;
+    int found = find_entry<combine_fingerprint>(front, args, num_args, kNumCombineArgs, "combine", front->combine_memo,
+                                                names.combine, entry);
+    if (found <= 0) return found < 0 ? nullptr : Py_NewRef(Py_None);
     clock.mark(kKeyPhase);
     PyObject* handle = args[kCombineHandle];
     Ref inputs(combine_inputs(args[kCombineX], handle, args[kCombineTopkWeights], args[kBias]));
     if (!inputs) return declined_on_missing_attribute();
     Ref event(previous_event_handle(args[kCombinePreviousEvent]));
     Ref values(handle_values(handle, entry.get(), false));
-    Ref program(PyObject_GetAttr(entry.get(), names.program));
-    if (!event || !values || !program || check_runtime(front) < 0) return nullptr;
-    clock.mark(kInputsPhase);
-    Ref outputs(run_program(program.get(), inputs.get(), event.get(), values.get()));
-    clock.mark(kProgramsPhase);
-    if (!outputs) return nullptr;
-    if (outputs.get() == Py_None) {
-        ++front->num_refused;
-        Py_RETURN_NONE;
-    }
+    if (!event || !values || check_runtime(front) < 0) return nullptr;
+    Ref outputs(replay(front, entry.get(), inputs.get(), event.get(), values.get(), clock));
+    if (!outputs || outputs.get() == Py_None) return outputs.release();
     if (after_run(front) < 0) return nullptr;
     PyObject* results =
         tuple_of({Py_NewRef(PyTuple_GET_ITEM(outputs.get(), 0)), Py_NewRef(PyTuple_GET_ITEM(outputs.get(), 1)),
