@@ -378,7 +378,7 @@ struct RunFailure {
 
 // Record `event` on `stream` (`handle`): through torch the first time, which creates the event on the
 // stream's device and marks it recorded, then straight through the driver. The record is the same;
-// torch's device switches around it cost the host about half a microsecond per event.
+// torch's device switches around it cost the host about 0.3 us per event.
 void record(c10::Event& event, const c10::Stream& stream, CUstream handle) {
     if (!event.was_marked_for_recording() || event.eventId() == nullptr ||
         event.device_index() != stream.device_index()) {

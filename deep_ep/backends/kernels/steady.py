@@ -16,10 +16,10 @@ thousands of times, and on a GPU machine's CPU every torch call from Python cost
   input, an allocation of the call nor one of the runtime's own (a copy made inside the call).
 - Every call goes first to the buffer's `Front` (`steady_front.cpp`, `steady_calls.cpp`), which
   makes its key (or finds the last call like it), finds the key's entry and gathers the inputs, all
-  in C++ (in Python they cost the host 10-14 us per call on the GPU machine). A call whose key has a program goes to `Program.run`, which compares
-  every input tensor with the recording (dtype, sizes, strides, device) and returns `None` on any
-  difference: the call then takes the Python path, whose checks raise the error a bad input
-  deserves. Otherwise it makes V2's stream choreography, allocates and launches; the handle and
+  in C++ (in Python they cost the host 10-14 us per call on the GPU machine). A call whose key has
+  a program goes to `Program.run`, which compares every input tensor with the recording (dtype,
+  sizes, strides, device) and returns `None` on any difference: the call then takes the Python
+  path, whose checks raise the error a bad input deserves. Otherwise it makes V2's stream choreography, allocates and launches; the handle and
   results are copies of the recorded ones with the new tensors in place.
 - A CPU-sync dispatch is two programs (`Part`): up to the host's wait for the counts, and after it,
   where the output rows, the received tokens and the epilogue's grid are the call's values (sizes

@@ -21,14 +21,14 @@ namespace {
 
 // Attribute names, interned once
 struct Names {
-    PyObject *shape, *dtype, *buffer_id, *do_cpu_sync, *do_expand, *num_recv_tokens, *num_expanded_tokens, *num_experts,
-        *topk_idx, *backend_state, *slot_idx, *num_tokens_per_rank, *num_unaligned_recv_tokens_per_expert,
-        *recv_src_metadata, *psum_num_recv_tokens_per_scaleup_rank, *event, *cuda_event, *program, *handle, *state,
-        *first, *epilogue_terms, *steady_shape, *dead_reason, *num_experts_checked, *check_error, *take_input_error,
-        *grid_for_rows, *nic_ctas, *num_recv_tokens_per_expert_list, *dispatch, *combine, *next_counts_sequence,
-        *wait_counts, *num_counts_waits, *counts_wait_ns, *fail_between_launches, *rejected, *expert_alignment,
-        *num_out_rows, *num_meta_rows, *num_expanded_rows;
-    PyObject *zero, *from_one;  // 0, and the slice `1:`
+    PyObject *buffer_id, *do_cpu_sync, *do_expand, *num_recv_tokens, *num_expanded_tokens, *num_experts, *topk_idx,
+        *backend_state, *slot_idx, *num_tokens_per_rank, *num_unaligned_recv_tokens_per_expert, *recv_src_metadata,
+        *psum_num_recv_tokens_per_scaleup_rank, *event, *cuda_event, *program, *handle, *state, *first, *epilogue_terms,
+        *steady_shape, *dead_reason, *num_experts_checked, *check_error, *take_input_error,
+        *num_recv_tokens_per_expert_list, *dispatch, *combine, *next_counts_sequence, *wait_counts, *num_counts_waits,
+        *counts_wait_ns, *fail_between_launches, *rejected, *expert_alignment, *num_out_rows, *num_meta_rows,
+        *num_expanded_rows;
+    PyObject* zero;
 };
 Names names;
 
@@ -37,9 +37,7 @@ bool intern_names() {
         PyObject** slot;
         const char* text;
     };
-    const Entry all[] = {{&names.shape, "shape"},
-                         {&names.dtype, "dtype"},
-                         {&names.buffer_id, "buffer_id"},
+    const Entry all[] = {{&names.buffer_id, "buffer_id"},
                          {&names.do_cpu_sync, "do_cpu_sync"},
                          {&names.do_expand, "do_expand"},
                          {&names.num_recv_tokens, "num_recv_tokens"},
@@ -64,8 +62,6 @@ bool intern_names() {
                          {&names.num_experts_checked, "num_experts_checked"},
                          {&names.check_error, "check_error"},
                          {&names.take_input_error, "take_input_error"},
-                         {&names.grid_for_rows, "grid_for_rows"},
-                         {&names.nic_ctas, "nic_ctas"},
                          {&names.num_recv_tokens_per_expert_list, "num_recv_tokens_per_expert_list"},
                          {&names.dispatch, "dispatch"},
                          {&names.combine, "combine"},
@@ -82,10 +78,7 @@ bool intern_names() {
     for (const Entry& entry : all)
         if ((*entry.slot = PyUnicode_InternFromString(entry.text)) == nullptr) return false;
     names.zero = PyLong_FromLong(0);
-    PyObject* one = PyLong_FromLong(1);
-    names.from_one = one == nullptr ? nullptr : PySlice_New(one, Py_None, Py_None);
-    Py_XDECREF(one);
-    return names.zero != nullptr && names.from_one != nullptr;
+    return names.zero != nullptr;
 }
 
 // A new reference that releases itself
