@@ -19,8 +19,9 @@ thousands of times, and on a GPU machine's CPU every torch call from Python cost
   in C++ (in Python they cost the host 10-14 us per call on the GPU machine). A call whose key has
   a program goes to `Program.run`, which compares every input tensor with the recording (dtype,
   sizes, strides, device) and returns `None` on any difference: the call then takes the Python
-  path, whose checks raise the error a bad input deserves. Otherwise it makes V2's stream choreography, allocates and launches; the handle and
-  results are copies of the recorded ones with the new tensors in place.
+  path, whose checks raise the error a bad input deserves. Otherwise it makes V2's stream
+  choreography, allocates and launches; the handle and results are copies of the recorded ones
+  with the new tensors in place.
 - A CPU-sync dispatch is two programs (`Part`): up to the host's wait for the counts, and after it,
   where the output rows, the received tokens and the epilogue's grid are the call's values (sizes
   and parameter fields that follow them). A cached dispatch or a combine with a CPU-sync handle takes
