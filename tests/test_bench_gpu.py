@@ -50,6 +50,9 @@ def test_host_bench_on_virtual_ranks_times_the_kernels_and_their_graphs():
         # A CPU-sync dispatch's target is its wait for the counts + 30 us; only it waits
         assert (row["count_wait_us"] is not None) == (row["op"] == "dispatch_cpu_sync"), row
         assert row["host_target_us"] is not None, row
+        # The floor of the run: every call launches at least one kernel and takes at least one allocation
+        assert 0 < row["launch_floor_us"] <= row["host_wall_us"] and 0 < row["alloc_floor_us"] < row["host_wall_us"]
+        assert 0 < row["timer_floor_us"] < row["host_wall_us"], row
 
 
 def test_nodes_bench_counts_every_byte_each_mode_puts_across_virtual_nodes():

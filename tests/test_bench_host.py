@@ -34,7 +34,10 @@ def test_host_bench_on_cpu_ranks_times_every_operation_and_writes_json(tmp_path)
         assert row["host_wall_us"] == max(r["host_wall_us"] for r in mine) > 0
         assert row["eager_wall_us"] == max(r["eager_wall_us"] for r in mine)
         for r in mine:
-            assert r["eager_wall_us"] >= r["host_wall_us"] and r["host_cpu_us"] <= r["host_wall_us"] * 1.01
+            # (the CPU clock's span holds the wall clock's reads and part of its own: 2 us to spare)
+            assert r["eager_wall_us"] >= r["host_wall_us"] and r["host_cpu_us"] <= r["host_wall_us"] * 1.01 + 2
+            # The floor: the timers' on CPU ranks too, the launch and the allocation only on GPUs
+            assert r["timer_floor_us"] > 0 and r["launch_floor_us"] is None and r["alloc_floor_us"] is None
             # Dropping the results is timed apart from the call, and inside its eager wall
             assert 0 <= r["release_us"] <= r["eager_wall_us"]
         assert row["gpu_us"] is None  # no GPU
@@ -44,6 +47,7 @@ def test_host_bench_on_cpu_ranks_times_every_operation_and_writes_json(tmp_path)
         "dispatch_cpu_sync",
         "host CPU us: the calling thread's CPU",
         "measured: commit",
+        "floor of this run, T=64 fp8 uniform: launch n/a, allocation n/a, timers",
     ):
         assert text in result.stdout, text
 
@@ -66,10 +70,15 @@ def test_host_bench_refuses_the_options_of_the_bandwidth_tables(tmp_path):
 def test_host_summary_takes_each_fields_slowest_rank():
     def row(rank: int, wall: float, gpu: float | None, op: str = "combine", wait: float | None = None) -> dict:
         return dict(case=dict(num_tokens=8, dtype="bf16", routing="uniform"), op=op, rank=rank, backend="NvlinkBackend", host_wall_us=wall,
-                    host_cpu_us=wall / 2, eager_wall_us=wall + 1, release_us=1.0, gpu_us=gpu, count_wait_us=wait)  # fmt: skip
+                    host_cpu_us=wall / 2, eager_wall_us=wall + 1, release_us=1.0, gpu_us=gpu, count_wait_us=wait,
+                    launch_floor_us=wall / 4, alloc_floor_us=wall / 8, timer_floor_us=0.1)  # fmt: skip
 
     (summary,) = host.summarize([[row(0, 5.0, 3.0)], [row(1, 7.0, None)]])
     assert (summary["host_wall_us"], summary["host_cpu_us"], summary["eager_wall_us"]) == (7.0, 3.5, 8.0)
+    assert (summary["launch_floor_us"], summary["alloc_floor_us"], summary["timer_floor_us"]) == (1.75, 0.875, 0.1)
+    assert "floor of this run, T=8 bf16 uniform: launch 1.8 us, allocation 0.9 us, timers 0.1 us" in host.format_table(
+        [summary], "test", False
+    )
     assert summary["gpu_us"] == 3.0 and summary["host_target_us"] == 20.0 and "rank" not in summary
     assert summary["count_wait_us"] is None
     # A CPU-sync dispatch's target follows the slowest rank's wait for its counts (90 us > 52 + 30)

@@ -21,7 +21,7 @@ def test_warmup_specs_compile_without_spills():
     specs = kernel_specs.warmup_specs()
     names = {spec.name for spec in specs}
     for kernel in ("dispatch", "dispatch_expand_rank", "dispatch_epilogue", "combine", "combine_epilogue",
-                   "barrier", "peer_store", "nccl_peer_pointers"):  # fmt: skip
+                   "barrier", "peer_store", "nccl_peer_pointers", "launch_floor"):  # fmt: skip
         assert f"deep_ep::{kernel}_impl" in names, kernel
     with ThreadPoolExecutor(max_workers=2) as pool:
         entries = list(pool.map(compile_spec, specs))

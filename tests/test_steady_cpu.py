@@ -462,3 +462,16 @@ def test_the_front_keeps_what_its_keys_take_of_a_handle_in_the_handle():
     # Another buffer's handle: the Python path (which names the buffer that made it)
     other = _handle(buffer_id + 1, True, 3)
     assert front.combine_key(*_combine_args(y, other)) is None and other._steady_shape[0] == buffer_id + 1
+
+
+def test_the_host_floor_refuses_what_it_cannot_time_before_touching_the_driver():
+    # On a GPU it is timed by the host bench (tests/test_bench_gpu.py); here only its checks run
+    module, reason = steady_module()
+    assert module is not None, reason
+    samples, num_bytes = random.randint(1, 50), random.randint(1, 1 << 20)
+    with pytest.raises(ValueError, match="function must be loaded"):
+        module.host_floor(0, 0, samples, num_bytes)
+    with pytest.raises(ValueError, match="positive"):
+        module.host_floor(random.randint(1, 1 << 40), 0, 0, num_bytes)
+    with pytest.raises(TypeError, match="host_floor"):
+        module.host_floor(1, 0, samples)

@@ -58,4 +58,6 @@ HOST_COLUMNS = """columns (--host):
   count wait us: a CPU-sync dispatch's wait on the host for its counts (the kernel's launch and count phase)
   target us: issue 19's host-time targets on one H200: fresh dispatch without CPU sync 30, cached and combine 20,
     CPU-sync dispatch its count wait + 30
+floor of this run (deep_ep.bench.host_floor), per case: an empty kernel's launch (each call launches two), one
+  allocation from torch's caching allocator, and the bench's wall for a call that does nothing
 several ranks: every time is the slowest rank's median"""

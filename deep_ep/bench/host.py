@@ -34,13 +34,14 @@ import torch
 import torch.distributed as dist
 
 from ..host_reads import wait_for_stream
-from . import HOST_COLUMNS, host_profile, report
+from . import HOST_COLUMNS, host_floor, host_profile, report
 from .cases import BenchCase, BenchConfig, make_inputs, random_rows
 
 HOST_OPS = ("dispatch_no_sync", "dispatch_cpu_sync", "cached_dispatch", "combine")
 # The graph operation (deep_ep.bench.runner.capture_moe_ops) that times each host operation on the GPU
 GRAPH_OPS = {"dispatch_no_sync": "dispatch", "cached_dispatch": "cached_dispatch", "combine": "combine"}
-HOST_FIELDS = ("host_wall_us", "host_cpu_us", "eager_wall_us", "release_us", "gpu_us", "count_wait_us")
+HOST_FIELDS = ("host_wall_us", "host_cpu_us", "eager_wall_us", "release_us", "gpu_us", "count_wait_us",
+               *host_floor.FLOOR_FIELDS)  # fmt: skip
 # The host-time targets of issue 19 on one H200 (benchmark targets: reported, never asserted); a
 # CPU-sync dispatch's is its count phase (the host's wait for the counts) plus this
 HOST_TARGETS_US = {"dispatch_no_sync": 30.0, "cached_dispatch": 20.0, "combine": 20.0}
@@ -62,9 +63,13 @@ def _time_call(call: Callable[[], Any], align: Callable[[], None], drain: Callab
     walls, cpus, eagers, releases = [], [], [], []
     for _ in range(num_iters):
         align()
-        started, cpu_started = time.perf_counter_ns(), time.thread_time_ns()
+        # The CPU clock is a system call (~0.7 us): read outside the wall's span, which holds only the
+        # wall clock's own reads (tens of nanoseconds)
+        cpu_started = time.thread_time_ns()
+        started = time.perf_counter_ns()
         result = call()
-        cpu_done, returned = time.thread_time_ns(), time.perf_counter_ns()
+        returned = time.perf_counter_ns()
+        cpu_done = time.thread_time_ns()
         del result  # the caller's, after the call: timed on its own
         released = time.perf_counter_ns()
         drain()
@@ -171,6 +176,10 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
         waits = (0, 0) if runtime is None else (runtime.num_counts_waits, runtime.counts_wait_ns)
         return (0, {}, *waits) if steady is None else (steady.num_calls, steady.phase_ns(), *waits)
 
+    # The machine's floor in this run (an allocation the size of an FP8 `recv_x`), before the calls
+    floor = host_floor.measure_floor(on_gpu, num_ranks * case.num_tokens * case.hidden,
+                                     lambda: _time_call(lambda: None, align, drain, config.num_warmups,
+                                                        config.num_iters)["host_wall_us"])  # fmt: skip
     times = {}
     for op in HOST_OPS:
         calls_before, phases_before, waits_before, wait_ns_before = served()
@@ -180,6 +189,7 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
         # the kernel's launch to the counts in host memory), mean microseconds per call that waited
         num_waits = waits_after - waits_before
         times[op]["count_wait_us"] = (wait_ns_after - wait_ns_before) / 1e3 / num_waits if num_waits else None
+        times[op].update(floor)
         times[op]["steady_calls"] = calls_after - calls_before  # of num_warmups + num_iters
         # Inside the C++ replays (deep_ep.backends.kernels.steady.PHASES), microseconds per call
         times[op]["steady_phase_us"] = (
@@ -205,6 +215,7 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
         walls = ", ".join(f"{op} {times[op]['host_wall_us']:.1f} us ({times[op]['steady_calls']} steady)"
                           for op in HOST_OPS)  # fmt: skip
         print(f"host cost, T={case.num_tokens} {case.dtype} {case.routing}: {walls}", file=sys.stderr, flush=True)
+        print(f"  {host_floor.format_floor('this rank', floor)}", file=sys.stderr, flush=True)
         for op in HOST_OPS:
             if times[op]["steady_phase_us"]:
                 phases = ", ".join(f"{name} {us:.1f}" for name, us in times[op]["steady_phase_us"].items())
@@ -274,6 +285,9 @@ def format_table(rows: list[dict], hardware: str, virtual_ranks: bool) -> str:
                      f"{_us(r['host_wall_us']):>12} {_us(r['host_cpu_us']):>11} {_us(r['eager_wall_us']):>13} "
                      f"{_us(r['release_us']):>10} "
                      f"{_us(r['gpu_us']):>8} {_us(r['count_wait_us']):>13} | {verdict:>13}")  # fmt: skip
+    lines.append("")
+    labels = {f"T={r['case']['num_tokens']} {r['case']['dtype']} {r['case']['routing']}": r for r in rows}
+    lines += [host_floor.format_floor(label, r) for label, r in labels.items()]  # a case's rows share its floor
     lines.append("")
     lines.append(HOST_COLUMNS)
     return "\n".join(lines)

@@ -388,6 +388,12 @@ def peer_store_spec() -> KernelSpec:
 
 
 @functools.cache
+def launch_floor_spec() -> KernelSpec:
+    """The empty kernel of the host bench's launch floor (launch_floor.cuh)."""
+    return _spec("launch_floor", (NUM_THREADS,), ("int64_t",))
+
+
+@functools.cache
 def transport_ping_spec(transport: str = "lsa") -> KernelSpec:
     """The transport self-test (transport_ping.cuh) over `transport` (one of `TRANSPORTS`): LSA, the
     emulated NIC (transport/emulated.cuh), or GIN built against NCCL >= 2.30.4 for one backend."""
@@ -471,6 +477,7 @@ def warmup_specs(num_ranks: int = 2, hiddens: tuple[int, ...] = (2048, 7168), nu
     """The probes and every specialisation of one MoE shape per hidden size (BF16 and both FP8 scale
     packs). The defaults are the 2-rank shapes of the GPU tests and the benchmark."""
     specs = [peer_store_spec(), nccl_peer_pointers_spec(), post_fault_spec(), transport_ping_spec("lsa")]
+    specs.append(launch_floor_spec())  # the host bench's launch floor
     specs += [agrs_spec(element) for element in AGRS_ELEMENTS]
     specs += [pp_spec(step) for step in PP_STEPS] + [engram_fetch_spec(index) for index in ENGRAM_INDEX_TYPES]
     specs += [engram_fetch_spec("int64", transport) for transport in EMULATED_TRANSPORTS]

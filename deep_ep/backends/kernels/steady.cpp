@@ -42,6 +42,7 @@ struct Driver {
     decltype(&cuStreamWaitEvent) wait_event = nullptr;
     decltype(&cuEventRecord) record_event = nullptr;
     decltype(&cuStreamIsCapturing) is_capturing = nullptr;
+    decltype(&cuStreamSynchronize) synchronize = nullptr;
     decltype(&cuGetErrorString) error_string = nullptr;
     std::string problem;
 };
@@ -60,10 +61,11 @@ const Driver& driver() {
         d.record_event = reinterpret_cast<decltype(d.record_event)>(dlsym(lib, "cuEventRecord"));
         d.is_capturing = reinterpret_cast<decltype(d.is_capturing)>(dlsym(lib, "cuStreamIsCapturing"));
         d.error_string = reinterpret_cast<decltype(d.error_string)>(dlsym(lib, "cuGetErrorString"));
-        if (!d.launch || !d.wait_event || !d.record_event || !d.is_capturing || !d.error_string)
+        d.synchronize = reinterpret_cast<decltype(d.synchronize)>(dlsym(lib, "cuStreamSynchronize"));
+        if (!d.launch || !d.wait_event || !d.record_event || !d.is_capturing || !d.error_string || !d.synchronize)
             d.problem =
-                "libcuda.so.1 lacks cuLaunchKernelEx, cuStreamWaitEvent, cuEventRecord, cuStreamIsCapturing or "
-                "cuGetErrorString";
+                "libcuda.so.1 lacks cuLaunchKernelEx, cuStreamWaitEvent, cuEventRecord, cuStreamIsCapturing, "
+                "cuGetErrorString or cuStreamSynchronize";
         return d;
     }();
     return loaded;
@@ -868,8 +870,9 @@ PyMethodDef module_methods[] = {
      "copy_with(template, names, values, start) -> a copy of template with names set to values[start:]"},
     {nullptr, nullptr, 0, nullptr}};
 
-// The front (steady_front.cpp, compiled after this file as one unit)
+// The front (steady_front.cpp) and the host floor (steady_floor.cpp), compiled after this file as one unit
 bool add_front(PyObject* module);
+bool add_floor(PyObject* module);
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "deep_ep_steady", "deep_ep's steady path (steady.cpp)", -1,
                           module_methods};
@@ -896,7 +899,8 @@ PyMODINIT_FUNC PyInit_deep_ep_steady() {
     Py_INCREF(&EventType);
     Py_INCREF(&ProgramType);
     if (PyModule_AddObject(module, "Event", reinterpret_cast<PyObject*>(&EventType)) < 0 ||
-        PyModule_AddObject(module, "Program", reinterpret_cast<PyObject*>(&ProgramType)) < 0 || !add_front(module)) {
+        PyModule_AddObject(module, "Program", reinterpret_cast<PyObject*>(&ProgramType)) < 0 || !add_front(module) ||
+        !add_floor(module)) {
         Py_DECREF(module);
         return nullptr;
     }

@@ -65,7 +65,8 @@ from . import specs
 from .dispatch import raise_rejected_routing
 from .runtime import INPUT_ERROR_WORD, NvlinkRuntime, track_pointers
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("steady.cpp", "steady_front.cpp", "steady_calls.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("steady.cpp", "steady_front.cpp", "steady_calls.cpp",
+                                                                 "steady_floor.cpp"))  # fmt: skip
 # Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
 MAX_PROGRAMS = 64
 ENV_SWITCH = "EP_STEADY"
