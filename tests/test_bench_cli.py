@@ -4,6 +4,7 @@ its report (GPU rows with graph times: tables, planner and issue checks, plot) f
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from dataclasses import asdict
@@ -481,3 +482,23 @@ def test_bench_op_pp_and_engram_check_then_time_both_paths_and_write_json(tmp_pa
         assert row["path"] == ("point-to-point calls" if op == "pp" else "replicated table"), row
     refused = _bench(tmp_path, "--op", op, "--sms", "8")
     assert refused.returncode != 0 and f"`--op {op}` times" in refused.stderr and "drop --sms" in refused.stderr
+
+
+def test_a_result_of_code_its_commit_does_not_hold_is_marked_dirty(tmp_path, monkeypatch):
+    monkeypatch.delenv("EP_BENCH_COMMIT", raising=False)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    source = tmp_path / "kernel.cuh"
+    source.write_text(f"// {random.random()}\n")
+    git("add", "kernel.cuh")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "HEAD")
+    assert report.git_commit(tmp_path) == head
+    source.write_text(source.read_text() + "// changed after the commit\n")
+    assert report.git_commit(tmp_path) == f"{head}-dirty"
+    assert report.git_commit(tmp_path / "no checkout here") == "unknown"
+    monkeypatch.setenv("EP_BENCH_COMMIT", "named")  # a copy without .git names its commit
+    assert report.git_commit(tmp_path) == "named"

@@ -434,15 +434,21 @@ def format_report(rows: list[dict], found: dict[str, list[dict]], meta: dict) ->
 # ------------------------------------------------------------------------------------------ files
 
 
-def git_commit() -> str:
-    """The commit measured: `EP_BENCH_COMMIT` (a copy of the tree without .git names it), else git's HEAD."""
+def git_commit(where: Path | None = None) -> str:
+    """The commit measured: `EP_BENCH_COMMIT` (a copy of the tree without .git names it), else git's
+    HEAD of the checkout at `where` (this package's by default), with `-dirty` when its tracked files
+    differ from HEAD: the code measured is then not that commit's (uncommitted changes, or a copied
+    tree whose .git is older than its files), and the result must not pass for it."""
     if os.environ.get("EP_BENCH_COMMIT"):
         return os.environ["EP_BENCH_COMMIT"]
+    cwd = where or Path(__file__).resolve().parent
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()  # fmt: skip
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=cwd).stdout.strip()  # fmt: skip
+        differs = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, cwd=cwd).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("-dirty" if differs == 1 else "")
 
 
 def hardware_name(device: str, num_ranks: int, virtual_ranks: bool = False) -> str:
@@ -462,7 +468,8 @@ def provenance(command: str | None, hardware: str) -> str:
     """One line naming what a result measured: commit, command, hardware and date."""
     import sys
 
-    return f"commit {git_commit()[:12]}, `{command or ' '.join(sys.argv)}`, {hardware}, {utc_now()}"
+    head, dash, state = git_commit().partition("-")
+    return f"commit {head[:12]}{dash}{state}, `{command or ' '.join(sys.argv)}`, {hardware}, {utc_now()}"
 
 
 def utc_now() -> str:
