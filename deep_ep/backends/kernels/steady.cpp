@@ -778,20 +778,27 @@ PyObject* event_query(PyObject* self, PyObject*) {
     return PyBool_FromLong(done);
 }
 
-PyObject* event_synchronize(PyObject* self, PyObject*) {
-    std::string failure;
-    c10::Event* event = reinterpret_cast<EventObject*>(self)->event;
+// `work()` with the GIL released (other virtual ranks go on meanwhile); false, with a RuntimeError
+// set, when it threw
+template <typename Work>
+bool without_gil(Work&& work) {
+    std::optional<std::string> failure;
     PyThreadState* saved = PyEval_SaveThread();
     try {
-        event->synchronize();
+        work();
+    } catch (const RunFailure& error) {
+        failure = error.message;
     } catch (const std::exception& error) {
         failure = error.what();
     }
     PyEval_RestoreThread(saved);
-    if (!failure.empty()) {
-        PyErr_SetString(PyExc_RuntimeError, failure.c_str());
-        return nullptr;
-    }
+    if (failure) PyErr_SetString(PyExc_RuntimeError, failure->c_str());
+    return !failure;
+}
+
+PyObject* event_synchronize(PyObject* self, PyObject*) {
+    c10::Event* event = reinterpret_cast<EventObject*>(self)->event;
+    if (!without_gil([&] { event->synchronize(); })) return nullptr;
     Py_RETURN_NONE;
 }
 

@@ -27,9 +27,7 @@ PyObject* host_floor(PyObject*, PyObject* const* args, Py_ssize_t num_args) {
         return nullptr;
     }
     std::vector<int64_t> launch_ns, alloc_ns;
-    std::string failure;
-    PyThreadState* saved = PyEval_SaveThread();  // other virtual ranks run meanwhile, as in a call
-    try {
+    bool timed = without_gil([&] {
         int64_t unused = 0;
         void* params[1] = {&unused};
         CUlaunchConfig config{};
@@ -52,16 +50,8 @@ PyObject* host_floor(PyObject*, PyObject* const* args, Py_ssize_t num_args) {
         }  // each block goes back to the allocator's cache before the next: the next allocation reuses it
         CUresult result = d.synchronize(stream);
         if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuStreamSynchronize")};
-    } catch (const RunFailure& error) {
-        failure = error.message;
-    } catch (const std::exception& error) {
-        failure = error.what();
-    }
-    PyEval_RestoreThread(saved);
-    if (!failure.empty()) {
-        PyErr_SetString(PyExc_RuntimeError, failure.c_str());
-        return nullptr;
-    }
+    });
+    if (!timed) return nullptr;
     PyObject* launches = PyList_New(num_samples);
     PyObject* allocations = launches == nullptr ? nullptr : PyList_New(num_samples);
     for (Py_ssize_t i = 0; allocations != nullptr && i < num_samples; ++i) {
