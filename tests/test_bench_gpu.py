@@ -53,6 +53,11 @@ def test_host_bench_on_virtual_ranks_times_the_kernels_and_their_graphs():
         # The floor of the run: every call launches at least one kernel and takes at least one allocation
         assert 0 < row["launch_floor_us"] <= row["host_wall_us"] and 0 < row["alloc_floor_us"] < row["host_wall_us"]
         assert 0 < row["timer_floor_us"] < row["host_wall_us"], row
+        # Every replay is one graph launch (a CPU-sync dispatch's first program; its second starts with a
+        # PDL epilogue), and with new addresses every call the graph's nodes are set again
+        graphs = row["graphs_per_call"]
+        assert graphs["launches"] == graphs["moved_launches"] == 1.0 and graphs["moved_updates"] >= 1.0, row
+        assert 0 < row["host_wall_moved_us"], row
 
 
 def test_nodes_bench_counts_every_byte_each_mode_puts_across_virtual_nodes():

@@ -23,6 +23,7 @@ def test_host_bench_on_cpu_ranks_times_every_operation_and_writes_json(tmp_path)
     for key in ("commit", "command", "hardware", "date", "seed", "multi_rank_rule"):
         assert document[key], key
     assert document["command"].startswith("deep-ep bench --host") and document["seed"] == 5
+    assert document["steady_graphs"] is True  # the replays' graphs (EP_STEADY_GRAPHS) are on by default
     rows = document["results"]
     assert [(r["case"]["num_tokens"], r["op"]) for r in rows] == [(t, op) for t in (64, 16) for op in host.HOST_OPS]
     per_rank = document["per_rank"]
@@ -40,6 +41,8 @@ def test_host_bench_on_cpu_ranks_times_every_operation_and_writes_json(tmp_path)
             assert r["timer_floor_us"] > 0 and r["launch_floor_us"] is None and r["alloc_floor_us"] is None
             # Dropping the results is timed apart from the call, and inside its eager wall
             assert 0 <= r["release_us"] <= r["eager_wall_us"]
+            # The calls with new addresses are timed too; the reference backend has no graphs
+            assert r["host_wall_moved_us"] > 0 and set(r["graphs_per_call"].values()) == {0}
         assert row["gpu_us"] is None  # no GPU
     assert all(r["host_target_us"] is None for r in rows)  # the targets are the kernels'
     for text in (
@@ -70,11 +73,12 @@ def test_host_bench_refuses_the_options_of_the_bandwidth_tables(tmp_path):
 def test_host_summary_takes_each_fields_slowest_rank():
     def row(rank: int, wall: float, gpu: float | None, op: str = "combine", wait: float | None = None) -> dict:
         return dict(case=dict(num_tokens=8, dtype="bf16", routing="uniform"), op=op, rank=rank, backend="NvlinkBackend", host_wall_us=wall,
-                    host_cpu_us=wall / 2, eager_wall_us=wall + 1, release_us=1.0, gpu_us=gpu, count_wait_us=wait,
+                    host_wall_moved_us=wall + 2, host_cpu_us=wall / 2, eager_wall_us=wall + 1, release_us=1.0, gpu_us=gpu, count_wait_us=wait,
                     launch_floor_us=wall / 4, alloc_floor_us=wall / 8, timer_floor_us=0.1)  # fmt: skip
 
     (summary,) = host.summarize([[row(0, 5.0, 3.0)], [row(1, 7.0, None)]])
     assert (summary["host_wall_us"], summary["host_cpu_us"], summary["eager_wall_us"]) == (7.0, 3.5, 8.0)
+    assert summary["host_wall_moved_us"] == 9.0
     assert (summary["launch_floor_us"], summary["alloc_floor_us"], summary["timer_floor_us"]) == (1.75, 0.875, 0.1)
     assert "floor of this run, T=8 bf16 uniform: launch 1.8 us, allocation 0.9 us, timers 0.1 us" in host.format_table(
         [summary], "test", False
@@ -85,7 +89,11 @@ def test_host_summary_takes_each_fields_slowest_rank():
     (synced,) = host.summarize([[row(0, 90.0, None, "dispatch_cpu_sync", 41.0)],
                                 [row(1, 80.0, None, "dispatch_cpu_sync", 52.0)]])  # fmt: skip
     assert synced["count_wait_us"] == 52.0 and synced["host_target_us"] == 52.0 + host.CPU_SYNC_TARGET_US
-    assert "82 missed" in host.format_table([synced], "test", False)
+    assert "82 missed/missed" in host.format_table([synced], "test", False)
+    (moved_only,) = host.summarize([[row(0, 18.0, 3.0)]])  # 18 us, moved 20 us: the combine's 20 met twice
+    assert "20 met/met" in host.format_table([moved_only], "test", False)
+    (moved_only,) = host.summarize([[row(0, 19.0, 3.0)]])
+    assert "20 met/missed" in host.format_table([moved_only], "test", False)
 
 
 def test_host_profile_says_where_each_operations_host_time_goes(tmp_path):

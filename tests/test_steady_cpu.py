@@ -144,6 +144,36 @@ def test_the_compiled_program_checks_its_description_and_its_inputs():
             module.Program(empty).run((), None, ())
 
 
+def test_a_buffers_programs_launch_as_graphs_unless_switched_off(monkeypatch):
+    module, reason = steady_module()
+    assert module is not None, reason
+    scratch, x, out = torch.randn(16), torch.randn(4, 8), torch.empty(32)
+    description, keep = describe_program([scratch], _stream(), _recording(x, out, scratch, _stream()), [x, None],
+                                         [out], False, False)  # fmt: skip
+    program = module.Program(description)
+    # Until a run builds it there is no graph, and nothing counted or wrong
+    assert program.use_graph is True and program.graph_counts == (0, 0) and program.graph_problem is None
+    program.use_graph = 0
+    assert program.use_graph is False
+    with pytest.raises(TypeError, match="cannot be deleted"):
+        del program.use_graph
+    # The buffer's switch: the environment for new buffers, `set_graphs` for the programs it has and makes
+    for value, expected in (("0", False), ("", False), ("1", True)):
+        monkeypatch.setenv("EP_STEADY_GRAPHS", value)
+        assert SteadyPath(module, _Runtime(), _stream(), 1).use_graphs is expected
+    steady = SteadyPath(module, _Runtime(), _stream(), random.randint(1, 1000))
+    keys = [("combine", i) for i in range(3)]
+    steady._remember(keys[0], (description, keep))
+    steady._remember(keys[1], "declined")
+    steady.set_graphs(True)
+    steady._remember(keys[2], (description, keep))
+    assert [p.use_graph for p in steady.programs()] == [True, True]
+    steady.set_graphs(False)
+    steady._remember(("dispatch", 0), (description, keep))
+    assert [p.use_graph for p in steady.programs()] == [False] * 3
+    assert steady.graph_stats() == dict(launches=0, updates=0, problems={})
+
+
 def test_the_two_parts_of_a_cpu_sync_dispatch_take_the_counts_as_values():
     from deep_ep.backends.kernels.steady import Part
 

@@ -51,13 +51,15 @@ def columns_text(cpu: bool = False) -> str:
 # The columns of `deep-ep bench --host` (deep_ep.bench.host)
 HOST_COLUMNS = """columns (--host):
   host wall us: the call's wall time from entry to return, on a drained stream (no GPU wait unless the call waits)
+  moved us: the host wall with new addresses every call (inputs cycled through copies, results kept), so that a
+    replay's graph has its kernels' parameters set again each call
   host CPU us: the calling thread's CPU time over that span (virtual ranks: waits for the interpreter left out)
   eager wall us: the call, then a wait until its stream is idle
   release us: dropping the call's results right after it returned (frees; the caller's time, not in host wall)
   GPU us: device time per call from CUDA-graph replays (n/a: a dispatch with CPU sync, or no GPU)
   count wait us: a CPU-sync dispatch's wait on the host for its counts (the kernel's launch and count phase)
   target us: issue 19's host-time targets on one H200: fresh dispatch without CPU sync 30, cached and combine 20,
-    CPU-sync dispatch its count wait + 30
+    CPU-sync dispatch its count wait + 30; met or missed by the host wall, then by the moved wall
 floor of this run (deep_ep.bench.host_floor), per case: an empty kernel's launch (each call launches two), one
   allocation from torch's caching allocator, and the bench's wall for a call that does nothing
 several ranks: every time is the slowest rank's median"""

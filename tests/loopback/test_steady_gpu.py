@@ -21,6 +21,8 @@ from deep_ep.loopback import LoopbackWorld
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 NUM_ITERS = 5
+# The iteration whose replays launch kernel by kernel (the others: one graph per program)
+GRAPHLESS_ITER = 2
 
 
 def _seed() -> int:
@@ -61,14 +63,17 @@ def _steady_rank(rank: int, group: dist.ProcessGroup, case: dict, seed: int) -> 
 
     buffers = make_buffers(group, group.size())
     kernels = buffers[case["multiple_reduction"]][0]
+    steady = kernels._steady
     try:
         for i in range(NUM_ITERS):  # the same shapes, new data and routing each time
+            if steady is not None:  # each program's kernels as one graph, but in one iteration
+                steady.set_graphs(i != GRAPHLESS_ITER)
             run_case(buffers, rank, group.size(), case, seed + 101 * i)
-        steady = kernels._steady
         if steady is None:
             return {"steady": False, "calls": 0}
         return {"steady": True, "calls": steady.num_calls, "refused": steady.num_refused,
-                "declined": sorted({f"{key[0]}: {reason}" for key, reason in steady.declined.items()})}  # fmt: skip
+                "declined": sorted({f"{key[0]}: {reason}" for key, reason in steady.declined.items()}),
+                "graphs": steady.graph_stats()}  # fmt: skip
     finally:
         for pair in buffers.values():
             for buffer in pair:
@@ -93,6 +98,13 @@ def test_replayed_calls_are_bitwise_equal_to_the_reference(name):
     expected = (NUM_ITERS - 1) * 3
     assert all(o["steady"] for o in outcomes), outcomes
     assert [o["calls"] for o in outcomes] == [expected] * num_ranks, (outcomes, seed)
+    # Every replay's program is one graph launch (a CPU-sync dispatch: its first program; the second
+    # starts with a PDL epilogue), but in the graphless iteration
+    pdl_first = "its first kernel overlaps the stream's earlier work (PDL)"
+    expected_problems = {pdl_first: 1} if case["cpu_sync"] else {}
+    for o in outcomes:
+        assert o["graphs"]["launches"] == (NUM_ITERS - 2) * 3, (o, seed)
+        assert o["graphs"]["problems"] == expected_problems, (o, seed)
     print(f"\nsteady {name}: seed {seed}, {expected} replayed calls per rank, bitwise equal")
 
 

@@ -31,11 +31,17 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 // ----------------------------------------------------------------------------------- the driver
+
+// The name a driver entry point has in this cuda.h (which maps some to a versioned name, such as
+// `cuGraphAddKernelNode` to `cuGraphAddKernelNode_v2`): the symbol whose signature the header declares
+#define EP_DRIVER_SYMBOL(name) EP_DRIVER_STRING(name)
+#define EP_DRIVER_STRING(name) #name
 
 struct Driver {
     decltype(&cuLaunchKernelEx) launch = nullptr;
@@ -45,6 +51,17 @@ struct Driver {
     decltype(&cuStreamSynchronize) synchronize = nullptr;
     decltype(&cuGetErrorString) error_string = nullptr;
     std::string problem;
+    // A program's launches as one graph (steady_graph.cpp); without them it launches kernel by kernel
+    decltype(&cuGraphCreate) graph_create = nullptr;
+    decltype(&cuGraphAddKernelNode) graph_add_kernel_node = nullptr;
+    decltype(&cuGraphKernelNodeSetAttribute) graph_set_attribute = nullptr;
+    decltype(&cuGraphAddDependencies) graph_add_dependencies = nullptr;
+    decltype(&cuGraphInstantiate) graph_instantiate = nullptr;
+    decltype(&cuGraphExecKernelNodeSetParams) graph_set_params = nullptr;
+    decltype(&cuGraphLaunch) graph_launch = nullptr;
+    decltype(&cuGraphExecDestroy) graph_exec_destroy = nullptr;
+    decltype(&cuGraphDestroy) graph_destroy = nullptr;
+    std::string graph_problem;
 };
 
 const Driver& driver() {
@@ -53,19 +70,30 @@ const Driver& driver() {
         void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
         if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
         if (lib == nullptr) {
-            d.problem = "libcuda.so.1 cannot be loaded";
+            d.problem = d.graph_problem = "libcuda.so.1 cannot be loaded";
             return d;
         }
-        d.launch = reinterpret_cast<decltype(d.launch)>(dlsym(lib, "cuLaunchKernelEx"));
-        d.wait_event = reinterpret_cast<decltype(d.wait_event)>(dlsym(lib, "cuStreamWaitEvent"));
-        d.record_event = reinterpret_cast<decltype(d.record_event)>(dlsym(lib, "cuEventRecord"));
-        d.is_capturing = reinterpret_cast<decltype(d.is_capturing)>(dlsym(lib, "cuStreamIsCapturing"));
-        d.error_string = reinterpret_cast<decltype(d.error_string)>(dlsym(lib, "cuGetErrorString"));
-        d.synchronize = reinterpret_cast<decltype(d.synchronize)>(dlsym(lib, "cuStreamSynchronize"));
-        if (!d.launch || !d.wait_event || !d.record_event || !d.is_capturing || !d.error_string || !d.synchronize)
+        auto load = [&](auto& entry, const char* name) {
+            entry = reinterpret_cast<std::remove_reference_t<decltype(entry)>>(dlsym(lib, name));
+            return entry != nullptr;
+        };
+        bool complete = load(d.launch, "cuLaunchKernelEx") & load(d.wait_event, "cuStreamWaitEvent") &
+                        load(d.record_event, "cuEventRecord") & load(d.is_capturing, "cuStreamIsCapturing") &
+                        load(d.error_string, "cuGetErrorString") & load(d.synchronize, "cuStreamSynchronize");
+        if (!complete)
             d.problem =
                 "libcuda.so.1 lacks cuLaunchKernelEx, cuStreamWaitEvent, cuEventRecord, cuStreamIsCapturing, "
                 "cuGetErrorString or cuStreamSynchronize";
+        bool graphs = load(d.graph_create, EP_DRIVER_SYMBOL(cuGraphCreate)) &
+                      load(d.graph_add_kernel_node, EP_DRIVER_SYMBOL(cuGraphAddKernelNode)) &
+                      load(d.graph_set_attribute, EP_DRIVER_SYMBOL(cuGraphKernelNodeSetAttribute)) &
+                      load(d.graph_add_dependencies, EP_DRIVER_SYMBOL(cuGraphAddDependencies)) &
+                      load(d.graph_instantiate, EP_DRIVER_SYMBOL(cuGraphInstantiate)) &
+                      load(d.graph_set_params, EP_DRIVER_SYMBOL(cuGraphExecKernelNodeSetParams)) &
+                      load(d.graph_launch, EP_DRIVER_SYMBOL(cuGraphLaunch)) &
+                      load(d.graph_exec_destroy, EP_DRIVER_SYMBOL(cuGraphExecDestroy)) &
+                      load(d.graph_destroy, EP_DRIVER_SYMBOL(cuGraphDestroy));
+        if (!graphs) d.graph_problem = "libcuda.so.1 lacks a graph entry point (programmatic edges need CUDA 12.3)";
         return d;
     }();
     return loaded;
@@ -123,6 +151,8 @@ struct Launch {
     std::vector<ValuePatch> value_patches;
 };
 
+struct ProgramGraph;
+
 struct Program {
     c10::DeviceIndex device_index;
     c10::Stream comm_stream;
@@ -142,6 +172,11 @@ struct Program {
     std::optional<c10::Event> compute_ready;  // the compute stream's point the comm stream waits for
     uint64_t num_runs = 0;
     std::array<uint64_t, kNumPhases> phase_ns{};
+    // The launches as one CUDA graph (steady_graph.cpp), built at the first run that may use it
+    bool use_graph = true;
+    std::shared_ptr<ProgramGraph> graph;
+    std::string graph_problem;  // why the launches go kernel by kernel (empty: they need not)
+    uint64_t num_graph_launches = 0, num_graph_updates = 0;
 };
 
 struct ProgramObject {
@@ -455,6 +490,14 @@ std::vector<at::Tensor> allocate(const Program& program, const std::vector<int64
     return allocs;
 }
 
+// The most parameters a recorded kernel has
+constexpr size_t kMaxParams = 16;
+
+// The program's launches, their parameters patched and `grids` resolved, as one graph launch on
+// `stream` (steady_graph.cpp); false when they go kernel by kernel (the graph is off, cannot hold
+// them, or could not be built: `Program::graph_problem` says why)
+bool launch_graph(Program& program, const std::vector<std::array<unsigned, 3>>& grids, CUstream stream);
+
 // What `run` does without the GIL: returns the output tensors and the end event.
 std::vector<at::Tensor> run_native(Program& program, const std::vector<const at::Tensor*>& inputs, void* previous_event,
                                    const std::vector<int64_t>& values, c10::Event* end_event,
@@ -498,7 +541,9 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
     restore();
     clock.mark(2);
 
-    for (Launch& launch : program.launches) {
+    std::vector<std::array<unsigned, 3>> grids(program.launches.size());
+    for (size_t i = 0; i < program.launches.size(); ++i) {
+        Launch& launch = program.launches[i];
         for (const Patch& patch : launch.patches) {
             const at::Tensor* source = patch.source >= 0 ? inputs[patch.source] : &allocs[-1 - patch.source];
             uint64_t address = source == nullptr ? 0 : reinterpret_cast<uint64_t>(source->data_ptr());
@@ -508,30 +553,34 @@ std::vector<at::Tensor> run_native(Program& program, const std::vector<const at:
             int64_t value = values[patch.value];  // little-endian: the low `width` bytes
             std::memcpy(launch.params[patch.param].data() + patch.offset, &value, patch.width);
         }
-        void* params[16];
-        if (launch.params.size() > 16) throw RunFailure{"a kernel with more than 16 parameters"};
-        for (size_t p = 0; p < launch.params.size(); ++p) params[p] = launch.params[p].data();
-        CUlaunchAttribute attributes[2];
-        unsigned num_attributes = 0;
-        if (launch.cooperative) {
-            attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-            attributes[num_attributes++].value.cooperative = 1;
-        }
-        if (launch.pdl) {
-            attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attributes[num_attributes++].value.programmaticStreamSerializationAllowed = 1;
-        }
-        CUlaunchConfig config{};
-        auto grid = resolve(std::vector<int64_t>(launch.grid, launch.grid + 3), values);
-        config.gridDimX = static_cast<unsigned>(grid[0]), config.gridDimY = static_cast<unsigned>(grid[1]);
-        config.gridDimZ = static_cast<unsigned>(grid[2]);
-        config.blockDimX = launch.block[0], config.blockDimY = launch.block[1], config.blockDimZ = launch.block[2];
-        config.hStream = comm_handle;
-        config.attrs = attributes;
-        config.numAttrs = num_attributes;
-        CUresult result = d.launch(&config, launch.function, params, nullptr);
-        if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuLaunchKernelEx")};
+        if (launch.params.size() > kMaxParams) throw RunFailure{"a kernel with more than 16 parameters"};
+        for (int k = 0; k < 3; ++k)
+            grids[i][k] = static_cast<unsigned>(launch.grid[k] >= 0 ? launch.grid[k] : values[-1 - launch.grid[k]]);
     }
+    if (!launch_graph(program, grids, comm_handle))
+        for (size_t i = 0; i < program.launches.size(); ++i) {
+            Launch& launch = program.launches[i];
+            void* params[kMaxParams];
+            for (size_t p = 0; p < launch.params.size(); ++p) params[p] = launch.params[p].data();
+            CUlaunchAttribute attributes[2];
+            unsigned num_attributes = 0;
+            if (launch.cooperative) {
+                attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+                attributes[num_attributes++].value.cooperative = 1;
+            }
+            if (launch.pdl) {
+                attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attributes[num_attributes++].value.programmaticStreamSerializationAllowed = 1;
+            }
+            CUlaunchConfig config{};
+            config.gridDimX = grids[i][0], config.gridDimY = grids[i][1], config.gridDimZ = grids[i][2];
+            config.blockDimX = launch.block[0], config.blockDimY = launch.block[1], config.blockDimZ = launch.block[2];
+            config.hStream = comm_handle;
+            config.attrs = attributes;
+            config.numAttrs = num_attributes;
+            CUresult result = d.launch(&config, launch.function, params, nullptr);
+            if (result != CUDA_SUCCESS) throw RunFailure{driver_error(result, "cuLaunchKernelEx")};
+        }
 
     clock.mark(3);
 
@@ -825,9 +874,39 @@ PyMethodDef program_methods[] = {{"run", reinterpret_cast<PyCFunction>(reinterpr
                                   METH_FASTCALL, "run(inputs, previous_event, values) -> (results..., Event) or None"},
                                  {nullptr, nullptr, 0, nullptr}};
 
-PyGetSetDef program_getset[] = {{"num_runs", program_num_runs, nullptr, "calls served", nullptr},
-                                {"phase_ns", program_phase_ns, nullptr, "host nanoseconds per phase, summed", nullptr},
-                                {nullptr, nullptr, nullptr, nullptr, nullptr}};
+PyObject* program_use_graph(PyObject* self, void*) {
+    return PyBool_FromLong(reinterpret_cast<ProgramObject*>(self)->program->use_graph);
+}
+
+int program_set_use_graph(PyObject* self, PyObject* value, void*) {
+    int on = value == nullptr ? -1 : PyObject_IsTrue(value);
+    if (on < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Program.use_graph cannot be deleted");
+        return -1;
+    }
+    reinterpret_cast<ProgramObject*>(self)->program->use_graph = on == 1;
+    return 0;
+}
+
+PyObject* program_graph_counts(PyObject* self, void*) {
+    const Program& program = *reinterpret_cast<ProgramObject*>(self)->program;
+    return Py_BuildValue("(KK)", static_cast<unsigned long long>(program.num_graph_launches),
+                         static_cast<unsigned long long>(program.num_graph_updates));
+}
+
+PyObject* program_graph_problem(PyObject* self, void*) {
+    const std::string& problem = reinterpret_cast<ProgramObject*>(self)->program->graph_problem;
+    if (problem.empty()) Py_RETURN_NONE;
+    return PyUnicode_FromString(problem.c_str());
+}
+
+PyGetSetDef program_getset[] = {
+    {"num_runs", program_num_runs, nullptr, "calls served", nullptr},
+    {"phase_ns", program_phase_ns, nullptr, "host nanoseconds per phase, summed", nullptr},
+    {"use_graph", program_use_graph, program_set_use_graph, "launch as one CUDA graph when it can", nullptr},
+    {"graph_counts", program_graph_counts, nullptr, "(graph launches, nodes whose parameters were set again)", nullptr},
+    {"graph_problem", program_graph_problem, nullptr, "why the launches go kernel by kernel, or None", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 // ---------------------------------------------------------------------------------- copy_with
 

@@ -65,11 +65,13 @@ from . import specs
 from .dispatch import raise_rejected_routing
 from .runtime import INPUT_ERROR_WORD, NvlinkRuntime, track_pointers
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("steady.cpp", "steady_front.cpp", "steady_calls.cpp",
-                                                                 "steady_floor.cpp"))  # fmt: skip
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("steady.cpp", "steady_graph.cpp", "steady_front.cpp",
+                                                                 "steady_calls.cpp", "steady_floor.cpp"))  # fmt: skip
 # Programs per buffer; past it the oldest go (a job cycling through more shapes pays the Python path)
 MAX_PROGRAMS = 64
 ENV_SWITCH = "EP_STEADY"
+# Replays launch each program's kernels as one CUDA graph (steady_graph.cpp) unless this is "0"
+GRAPH_SWITCH = "EP_STEADY_GRAPHS"
 # The phases of a replay whose host nanoseconds a program sums (`Program.phase_ns`, steady.cpp)
 PHASES = ("checks", "stream wait", "allocations", "launches", "end event and record_stream", "outputs to Python")
 # The phases of a replayed call in the front (`Front.phase_ns`, steady_front.cpp); "programs" holds `PHASES`
@@ -107,6 +109,11 @@ def steady_module() -> tuple[ModuleType | None, str | None]:
 def steady_enabled() -> bool:
     """Whether new buffers take the steady path (`EP_STEADY`, default on)."""
     return os.environ.get(ENV_SWITCH, "1") not in ("", "0")
+
+
+def graphs_enabled() -> bool:
+    """Whether new buffers' replays launch their kernels as one graph (`EP_STEADY_GRAPHS`, default on)."""
+    return os.environ.get(GRAPH_SWITCH, "1") not in ("", "0")
 
 
 class Recorder:
@@ -323,6 +330,7 @@ class SteadyPath:
         self.comm_stream = comm_stream
         self.buffer_id = buffer_id
         self.entries: dict[tuple, Entry | None] = {}  # None: the shape cannot take the steady path
+        self.use_graphs = graphs_enabled()
         self.declined: dict[tuple, str] = {}  # why, per such shape
         # The calls' way in (steady_front.cpp): keys, inputs and replays in C++, which reads the host
         # memory the device writes (error words, a CPU-sync dispatch's counts and their ready word)
@@ -350,12 +358,41 @@ class SteadyPath:
         """Host nanoseconds per phase (`PHASES`) summed over this buffer's replays so far (both
         programs of a CPU-sync dispatch), then the front's per `FRONT_PHASES` as `'front: <name>'`."""
         totals = [0] * len(PHASES)
-        for entry in self.entries.values():
-            for program in () if entry is None else (entry.program, entry.first):
-                if program is not None:
-                    totals = [a + b for a, b in zip(totals, program.phase_ns, strict=True)]
+        for program in self.programs():
+            totals = [a + b for a, b in zip(totals, program.phase_ns, strict=True)]
         front = {f"front: {name}": ns for name, ns in zip(FRONT_PHASES, self.front.phase_ns, strict=True)}
         return dict(zip(PHASES, totals, strict=True)) | front
+
+    def programs(self) -> list[Any]:
+        """Every program of this buffer's recorded shapes (a CPU-sync dispatch has two)."""
+        found = []
+        for entry in self.entries.values():
+            found += [] if entry is None else [p for p in (entry.first, entry.program) if p is not None]
+        return found
+
+    def set_graphs(self, on: bool) -> None:
+        """Launch each program's kernels as one graph (`on`) or one by one, from the next call on,
+        for the programs recorded so far and later ones."""
+        self.use_graphs = on
+        for program in self.programs():
+            program.use_graph = on
+
+    def graph_stats(self) -> dict[str, Any]:
+        """Graph launches and node parameter updates summed over this buffer's programs, and why
+        programs launch kernel by kernel (`{reason: number of programs}`)."""
+        launches = updates = 0
+        problems: dict[str, int] = {}
+        for program in self.programs():
+            launched, updated = program.graph_counts
+            launches, updates = launches + launched, updates + updated
+            if program.graph_problem is not None:
+                problems[program.graph_problem] = problems.get(program.graph_problem, 0) + 1
+        return dict(launches=launches, updates=updates, problems=problems)
+
+    def _program(self, description: tuple) -> Any:
+        program = self.module.Program(description)
+        program.use_graph = self.use_graphs
+        return program
 
     # ----------------------------------------------------------------------------- recording
 
@@ -402,7 +439,7 @@ class SteadyPath:
             self.declined[key] = built
             return
         description, keep = built
-        self.entries[key] = Entry(self.module.Program(description), keep, handle, state)
+        self.entries[key] = Entry(self._program(description), keep, handle, state)
 
     def _record_dispatch(self, key: tuple, recorder: Recorder, inputs: tuple, result: Any, handle: EPHandle,
                         fresh: bool, request: Any, async_with_compute_stream: bool,
@@ -444,7 +481,7 @@ class SteadyPath:
         if entry is not None and recorder.launches:
             entry.epilogue_terms = self.runtime.epilogue_terms(recorder.launches[0][1][0] - self.runtime.nic_ctas)
         if synced and entry is not None and entry.first is None:
-            entry.first, entry.drain = self.module.Program(first[0]), recorder.drain
+            entry.first, entry.drain = self._program(first[0]), recorder.drain
 
     def _synced_parts(self, recorder: Recorder, inputs: tuple, flags: tuple[bool, bool]) -> tuple[Any, tuple, Any]:
         """A CPU-sync dispatch's first program (up to the wait for the counts), the second's inputs
