@@ -59,6 +59,7 @@ struct Driver {
     decltype(&cuGraphInstantiate) graph_instantiate = nullptr;
     decltype(&cuGraphExecKernelNodeSetParams) graph_set_params = nullptr;
     decltype(&cuGraphLaunch) graph_launch = nullptr;
+    decltype(&cuGraphUpload) graph_upload = nullptr;
     decltype(&cuGraphExecDestroy) graph_exec_destroy = nullptr;
     decltype(&cuGraphDestroy) graph_destroy = nullptr;
     std::string graph_problem;
@@ -91,6 +92,7 @@ const Driver& driver() {
                       load(d.graph_instantiate, EP_DRIVER_SYMBOL(cuGraphInstantiate)) &
                       load(d.graph_set_params, EP_DRIVER_SYMBOL(cuGraphExecKernelNodeSetParams)) &
                       load(d.graph_launch, EP_DRIVER_SYMBOL(cuGraphLaunch)) &
+                      load(d.graph_upload, EP_DRIVER_SYMBOL(cuGraphUpload)) &
                       load(d.graph_exec_destroy, EP_DRIVER_SYMBOL(cuGraphExecDestroy)) &
                       load(d.graph_destroy, EP_DRIVER_SYMBOL(cuGraphDestroy));
         if (!graphs) d.graph_problem = "libcuda.so.1 lacks a graph entry point (programmatic edges need CUDA 12.3)";
@@ -494,9 +496,10 @@ std::vector<at::Tensor> allocate(const Program& program, const std::vector<int64
 constexpr size_t kMaxParams = 16;
 
 // The program's launches, their parameters patched and `grids` resolved, as one graph launch on
-// `stream` (steady_graph.cpp); false when they go kernel by kernel (the graph is off, cannot hold
-// them, or could not be built: `Program::graph_problem` says why)
+// `stream` (steady_graph.cpp); false when they go kernel by kernel (the graph is off or was not built:
+// `Program.build_graph`, and `Program::graph_problem` says why when it could not be)
 bool launch_graph(Program& program, const std::vector<std::array<unsigned, 3>>& grids, CUstream stream);
+PyObject* program_build_graph(PyObject* self, PyObject*);
 
 // What `run` does without the GIL: returns the output tensors and the end event.
 std::vector<at::Tensor> run_native(Program& program, const std::vector<const at::Tensor*>& inputs, void* previous_event,
@@ -872,6 +875,7 @@ PyGetSetDef event_getset[] = {{"cuda_event", event_cuda_event, nullptr, "the CUe
 
 PyMethodDef program_methods[] = {{"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(program_run)),
                                   METH_FASTCALL, "run(inputs, previous_event, values) -> (results..., Event) or None"},
+                                 {"build_graph", program_build_graph, METH_NOARGS, "make the launches' graph now"},
                                  {nullptr, nullptr, 0, nullptr}};
 
 PyObject* program_use_graph(PyObject* self, void*) {

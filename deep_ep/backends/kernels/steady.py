@@ -372,10 +372,13 @@ class SteadyPath:
 
     def set_graphs(self, on: bool) -> None:
         """Launch each program's kernels as one graph (`on`) or one by one, from the next call on,
-        for the programs recorded so far and later ones."""
+        for the programs recorded so far and later ones. Builds the graphs not built yet: call it
+        between collective calls (with virtual ranks, building may wait for the peers' kernels)."""
         self.use_graphs = on
         for program in self.programs():
             program.use_graph = on
+            if on:
+                program.build_graph()
 
     def graph_stats(self) -> dict[str, Any]:
         """Graph launches and node parameter updates summed over this buffer's programs, and why
@@ -390,8 +393,12 @@ class SteadyPath:
         return dict(launches=launches, updates=updates, problems=problems)
 
     def _program(self, description: tuple) -> Any:
+        """A new program, its graph built now (right after the call it records launched its kernels,
+        never inside a replay: `Program.build_graph`)."""
         program = self.module.Program(description)
         program.use_graph = self.use_graphs
+        if self.use_graphs:
+            program.build_graph()
         return program
 
     # ----------------------------------------------------------------------------- recording

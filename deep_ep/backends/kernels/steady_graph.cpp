@@ -7,7 +7,7 @@
 // a programmatic edge from the kernel before it, and the graph as a whole runs after the stream's
 // earlier work, as the first launch did. A program whose first launch overlaps that earlier work
 // (PDL) has no graph: that overlap is not an edge a graph can have.
-// Compiled after steady.cpp as one unit (steady.py's SOURCES).
+// Compiled after steady.cpp as one unit (steady.py's SOURCES); Program.build_graph is steady.cpp's method.
 
 namespace {
 
@@ -77,44 +77,64 @@ std::shared_ptr<ProgramGraph> build_graph(Program& program, const std::vector<st
 }
 
 bool launch_graph(Program& program, const std::vector<std::array<unsigned, 3>>& grids, CUstream stream) {
-    if (!program.use_graph || !program.graph_problem.empty()) return false;
+    if (!program.use_graph || !program.graph) return false;
     const Driver& d = driver();
-    if (!program.graph) {
-        if (!d.graph_problem.empty()) {
-            program.graph_problem = d.graph_problem;
+    ProgramGraph& graph = *program.graph;
+    for (size_t i = 0; i < program.launches.size(); ++i) {
+        Launch& launch = program.launches[i];
+        if (graph.params[i] == launch.params && graph.grids[i] == grids[i]) continue;
+        void* params[kMaxParams];
+        CUDA_KERNEL_NODE_PARAMS description = node_params(launch, grids[i], params);
+        CUresult result = d.graph_set_params(graph.exec, graph.nodes[i], &description);
+        if (result != CUDA_SUCCESS) {  // nothing enqueued yet: this call and the later ones go one by one
+            program.graph_problem = driver_error(result, "cuGraphExecKernelNodeSetParams");
+            program.graph.reset();
             return false;
         }
-        if (program.launches.empty() || program.launches[0].pdl) {
-            program.graph_problem = "its first kernel overlaps the stream's earlier work (PDL)";
-            return false;
-        }
-        try {
-            program.graph = build_graph(program, grids);
-        } catch (const RunFailure& failure) {  // nothing was enqueued: the launches go one by one
-            program.graph_problem = failure.message;
-            return false;
-        }
-    } else {
-        ProgramGraph& graph = *program.graph;
-        for (size_t i = 0; i < program.launches.size(); ++i) {
-            Launch& launch = program.launches[i];
-            if (graph.params[i] == launch.params && graph.grids[i] == grids[i]) continue;
-            void* params[kMaxParams];
-            CUDA_KERNEL_NODE_PARAMS description = node_params(launch, grids[i], params);
-            CUresult result = d.graph_set_params(graph.exec, graph.nodes[i], &description);
-            if (result != CUDA_SUCCESS) {  // nothing enqueued yet: this call and the later ones go one by one
-                program.graph_problem = driver_error(result, "cuGraphExecKernelNodeSetParams");
-                program.graph.reset();
-                return false;
-            }
-            graph.params[i] = launch.params;
-            graph.grids[i] = grids[i];
-            ++program.num_graph_updates;
-        }
+        graph.params[i] = launch.params;
+        graph.grids[i] = grids[i];
+        ++program.num_graph_updates;
     }
-    check_graph_call(d.graph_launch(program.graph->exec, stream), "cuGraphLaunch");
+    check_graph_call(d.graph_launch(graph.exec, stream), "cuGraphLaunch");
     ++program.num_graph_launches;
     return true;
+}
+
+// program.build_graph(): make the program's graph now, with the recorded parameters (a grid that is a
+// call's value: 1 until a run sets it). Never inside a run: instantiating and uploading a graph may
+// wait for the kernels on the device, which with virtual ranks can be peers waiting for this rank's
+// next launch; so the steady path builds right after the recording call launched its kernels, and
+// without the GIL, which the peers' threads may need to launch theirs. A program that cannot have a
+// graph keeps launching kernel by kernel (`graph_problem` says why).
+PyObject* program_build_graph(PyObject* self, PyObject*) {
+    Program& program = *reinterpret_cast<ProgramObject*>(self)->program;
+    if (program.graph || !program.graph_problem.empty()) Py_RETURN_NONE;
+    const Driver& d = driver();
+    if (!d.graph_problem.empty()) {
+        program.graph_problem = d.graph_problem;
+        Py_RETURN_NONE;
+    }
+    if (program.launches.empty() || program.launches[0].pdl) {
+        program.graph_problem = "its first kernel overlaps the stream's earlier work (PDL)";
+        Py_RETURN_NONE;
+    }
+    std::vector<std::array<unsigned, 3>> grids(program.launches.size());
+    for (size_t i = 0; i < program.launches.size(); ++i)
+        for (int k = 0; k < 3; ++k)
+            grids[i][k] = static_cast<unsigned>(std::max<int64_t>(program.launches[i].grid[k], 1));
+    std::string problem;
+    bool done = without_gil([&] {
+        try {
+            auto built = build_graph(program, grids);
+            check_graph_call(d.graph_upload(built->exec, program.comm_handle), "cuGraphUpload");
+            program.graph = std::move(built);
+        } catch (const RunFailure& failure) {  // not a failure of the program: it launches one by one
+            problem = failure.message;
+        }
+    });
+    if (!done) return nullptr;
+    program.graph_problem = problem;
+    Py_RETURN_NONE;
 }
 
 }  // namespace
