@@ -459,6 +459,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config.host_soak_calls = args.soak or 0
     if args.soak and not args.host:
         raise ValueError("bench: `--soak` repeats the calls of `--host`; add --host")
+    config.host_graph_ab_rounds = args.graph_ab or 0
+    if args.graph_ab and not args.host:
+        raise ValueError("bench: `--graph-ab` times the calls of `--host`; add --host")
     config.hot_fraction = args.hot_fraction
     if args.profile and not args.host:
         raise ValueError("bench: `--profile` profiles the calls of `--host`; add --host")
@@ -585,6 +588,9 @@ def register_bench(subparsers: Any) -> None:
     parser.add_argument("--soak", type=_positive_int, default=None, metavar="N",
                         help="with --host: after the timed calls, N more of each operation, and the device memory "
                              "allocated before and after them (growth means a leak)")  # fmt: skip
+    parser.add_argument("--graph-ab", type=_positive_int, default=None, metavar="N",
+                        help="with --host: after the timed calls, N rounds of each operation alternating between "
+                             "the replays' CUDA graphs and kernel-by-kernel launches, in one process (A/B)")  # fmt: skip
     parser.add_argument("--nodes", type=int, default=None, metavar="N",
                         help="instead of bandwidth: split the virtual ranks of one GPU into N virtual nodes and "
                              "count the bytes per token that cross the emulated NIC between them, measured in "

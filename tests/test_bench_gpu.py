@@ -40,7 +40,8 @@ def test_host_bench_on_virtual_ranks_times_the_kernels_and_their_graphs():
     from deep_ep.bench import cases, host
 
     config = cases.BenchConfig(cases.make_cases([128], None, ["fp8"], ["uniform"], 7168, 8, 256), 2, "cuda",
-                               virtual_ranks=True, num_warmups=2, num_iters=5, num_graph_samples=2, seed=7)  # fmt: skip
+                               virtual_ranks=True, num_warmups=2, num_iters=5, num_graph_samples=2, seed=7,
+                               host_graph_ab_rounds=2)  # fmt: skip
     compile_many(cases.kernel_specs(config))
     rows = host.run_host(config, command="pytest")
     assert [r["op"] for r in rows] == list(host.HOST_OPS)
@@ -55,8 +56,12 @@ def test_host_bench_on_virtual_ranks_times_the_kernels_and_their_graphs():
         assert 0 < row["timer_floor_us"] < row["host_wall_us"], row
         # Every replay is one graph launch (a CPU-sync dispatch's first program; its second starts with a
         # PDL epilogue), and with new addresses every call the graph's nodes are set again
-        graphs = row["graphs_per_call"]
-        assert graphs["launches"] == graphs["moved_launches"] == 1.0 and graphs["moved_updates"] >= 1.0, row
+        graphs, num_calls = row["graphs"], config.num_warmups + config.num_iters
+        assert 0 < graphs["launches"] == row["steady_calls"] and graphs["moved_launches"] == num_calls, row
+        assert graphs["moved_updates"] >= num_calls, row
+        # The A/B: both modes timed, in the same and in moved calls
+        ab = row["graph_ab"]
+        assert ab["graphs_us"] > 0 and ab["kernels_us"] > 0 and ab["ratio_moved"] > 0, row
         assert 0 < row["host_wall_moved_us"], row
 
 

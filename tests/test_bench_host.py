@@ -42,7 +42,7 @@ def test_host_bench_on_cpu_ranks_times_every_operation_and_writes_json(tmp_path)
             # Dropping the results is timed apart from the call, and inside its eager wall
             assert 0 <= r["release_us"] <= r["eager_wall_us"]
             # The calls with new addresses are timed too; the reference backend has no graphs
-            assert r["host_wall_moved_us"] > 0 and set(r["graphs_per_call"].values()) == {0}
+            assert r["host_wall_moved_us"] > 0 and set(r["graphs"].values()) == {0}
         assert row["gpu_us"] is None  # no GPU
     assert all(r["host_target_us"] is None for r in rows)  # the targets are the kernels'
     for text in (
@@ -68,6 +68,9 @@ def test_host_bench_refuses_the_options_of_the_bandwidth_tables(tmp_path):
     result = _bench(tmp_path, "--sms", "8", "--plot", "x.png")
     assert result.returncode == 1 and "`--host` times the planner's SM pick" in result.stderr, result.stderr
     assert "drop --sms, --plot" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run([sys.executable, "-m", "deep_ep.cli", "bench", "--graph-ab", "2"], capture_output=True,
+                            text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 1 and "`--graph-ab` times the calls of `--host`" in result.stderr, result.stderr
 
 
 def test_host_summary_takes_each_fields_slowest_rank():

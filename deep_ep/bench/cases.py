@@ -66,6 +66,8 @@ class BenchConfig:
         host_profile: `--host` only: profile the first rank's calls (`deep_ep.bench.host_profile`).
         host_soak_calls: `--host` only: after the timed calls, this many more of each operation, and the
             device memory allocated before and after them (0: none).
+        host_graph_ab_rounds: `--host` only: after the timed calls, this many rounds of each operation
+            alternating between the replays' graphs and kernel-by-kernel launches (0: none).
         speed_of_light: measure our peer-store probe (GPUs only).
         hot_fraction: the share of tokens that prefer the hot rank in imbalanced routing.
         seed: the seed of every input.
@@ -84,6 +86,7 @@ class BenchConfig:
     breakdown: bool = False
     host_profile: bool = False
     host_soak_calls: int = 0
+    host_graph_ab_rounds: int = 0
     speed_of_light: bool = True
     hot_fraction: float = DEFAULT_HOT_FRACTION
     seed: int = field(default_factory=lambda: time.time_ns() % 1_000_000)

@@ -113,6 +113,30 @@ def _moved(make_call: Callable[[int], Any]) -> Callable[[], Any]:
     return call
 
 
+def _graph_ab(steady: Any, call: Callable[[], Any], moved: Callable[[], Any], align: Callable[[], None],
+              drain: Callable[[], None], config: BenchConfig) -> dict:  # fmt: skip
+    """The host wall and moved wall of `call`, replays launched as graphs then kernel by kernel, in
+    `config.host_graph_ab_rounds` rounds that alternate which goes first (collective): per mode, the
+    median over rounds of each round's median, and the ratio graphs / kernel by kernel. The machine's
+    drift between runs is why the two are timed in one process, round by round."""
+    walls: dict[str, list[float]] = {"graphs": [], "kernels": [], "graphs_moved": [], "kernels_moved": []}
+    try:
+        for index in range(config.host_graph_ab_rounds):
+            for on in (True, False) if index % 2 == 0 else (False, True):
+                steady.set_graphs(on)
+                mode = "graphs" if on else "kernels"
+                walls[mode].append(_time_call(call, align, drain, config.num_warmups, config.num_iters)["host_wall_us"])
+                walls[f"{mode}_moved"].append(
+                    _time_call(moved, align, drain, config.num_warmups, config.num_iters)["host_wall_us"]
+                )
+    finally:
+        steady.set_graphs(True)
+    medians = {f"{mode}_us": statistics.median(values) for mode, values in walls.items()}
+    medians["ratio"] = medians["graphs_us"] / medians["kernels_us"]
+    medians["ratio_moved"] = medians["graphs_moved_us"] / medians["kernels_moved_us"]
+    return medians
+
+
 def _soak(call: Callable[[], Any], align: Callable[[], None], drain: Callable[[], None], num_calls: int,
           on_gpu: bool) -> dict:  # fmt: skip
     """`num_calls` more calls (collective), drained every 100: the device memory allocated before and
@@ -234,13 +258,13 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
         moved = _time_call(_moved(moved_calls[op]), align, drain, config.num_warmups, config.num_iters)
         graphs_moved = graph_updates()
         times[op]["host_wall_moved_us"] = moved["host_wall_us"]
-        # Graph launches and node parameter updates per call (the replays' kernels; 0 off the steady path)
-        num_calls = config.num_warmups + config.num_iters
-        times[op]["graphs_per_call"] = {
-            "launches": (graphs_after[0] - graphs_before[0]) / num_calls,
-            "updates": (graphs_after[1] - graphs_before[1]) / num_calls,
-            "moved_launches": (graphs_moved[0] - graphs_after[0]) / num_calls,
-            "moved_updates": (graphs_moved[1] - graphs_after[1]) / num_calls,
+        # Graph launches and node parameter updates of the replays' programs over the num_warmups +
+        # num_iters calls (as `steady_calls`), then over as many moved calls
+        times[op]["graphs"] = {
+            "launches": graphs_after[0] - graphs_before[0],
+            "updates": graphs_after[1] - graphs_before[1],
+            "moved_launches": graphs_moved[0] - graphs_after[0],
+            "moved_updates": graphs_moved[1] - graphs_after[1],
         }
         # The host's wait for a CPU-sync dispatch's counts (its count phase as the host sees it: from
         # the kernel's launch to the counts in host memory), mean microseconds per call that waited
@@ -257,6 +281,8 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
             if times[op]["steady_calls"]
             else None
         )
+        if config.host_graph_ab_rounds and steady is not None:
+            times[op]["graph_ab"] = _graph_ab(steady, calls[op], _moved(moved_calls[op]), align, drain, config)
         if config.host_soak_calls:
             times[op].update(_soak(calls[op], align, drain, config.host_soak_calls, on_gpu))
     profiles = {}
@@ -277,8 +303,16 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
             if times[op]["steady_phase_us"]:
                 phases = ", ".join(f"{name} {us:.1f}" for name, us in times[op]["steady_phase_us"].items())
                 print(f"  {op} in C++ (us per call): {phases}", file=sys.stderr, flush=True)
-            graphs = ", ".join(f"{name} {n:.2f}" for name, n in times[op]["graphs_per_call"].items())
-            print(f"  {op} graphs per call: {graphs}", file=sys.stderr, flush=True)
+            graphs = ", ".join(f"{name} {n}" for name, n in times[op]["graphs"].items())
+            print(f"  {op} graphs in {config.num_warmups + config.num_iters} calls each: {graphs}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        for op in HOST_OPS:
+            if "graph_ab" in times[op]:
+                ab = times[op]["graph_ab"]
+                print(f"  {op} graphs / kernel by kernel over {config.host_graph_ab_rounds} rounds: "
+                      f"{ab['graphs_us']:.1f} / {ab['kernels_us']:.1f} us ({ab['ratio']:.2f}), moved "
+                      f"{ab['graphs_moved_us']:.1f} / {ab['kernels_moved_us']:.1f} us ({ab['ratio_moved']:.2f})",
+                      file=sys.stderr, flush=True)  # fmt: skip
         if config.host_soak_calls:
             grown = ", ".join(f"{op} {times[op]['soak_allocated_after'] - times[op]['soak_allocated_before']:+d} B"
                               for op in HOST_OPS)  # fmt: skip
