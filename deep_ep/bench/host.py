@@ -120,6 +120,7 @@ def _graph_ab(steady: Any, call: Callable[[], Any], moved: Callable[[], Any], al
     median over rounds of each round's median, and the ratio graphs / kernel by kernel. The machine's
     drift between runs is why the two are timed in one process, round by round."""
     walls: dict[str, list[float]] = {"graphs": [], "kernels": [], "graphs_moved": [], "kernels_moved": []}
+    was_on = steady.use_graphs
     try:
         for index in range(config.host_graph_ab_rounds):
             for on in (True, False) if index % 2 == 0 else (False, True):
@@ -130,7 +131,7 @@ def _graph_ab(steady: Any, call: Callable[[], Any], moved: Callable[[], Any], al
                     _time_call(moved, align, drain, config.num_warmups, config.num_iters)["host_wall_us"]
                 )
     finally:
-        steady.set_graphs(True)
+        steady.set_graphs(was_on)
     medians = {f"{mode}_us": statistics.median(values) for mode, values in walls.items()}
     medians["ratio"] = medians["graphs_us"] / medians["kernels_us"]
     medians["ratio_moved"] = medians["graphs_moved_us"] / medians["kernels_moved_us"]
@@ -281,7 +282,7 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
             if times[op]["steady_calls"]
             else None
         )
-        if config.host_graph_ab_rounds and steady is not None:
+        if config.host_graph_ab_rounds and steady is not None and steady.graphs_refused is None:
             times[op]["graph_ab"] = _graph_ab(steady, calls[op], _moved(moved_calls[op]), align, drain, config)
         if config.host_soak_calls:
             times[op].update(_soak(calls[op], align, drain, config.host_soak_calls, on_gpu))

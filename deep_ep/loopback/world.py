@@ -243,7 +243,8 @@ class LoopbackWorld:
         from ..backends.kernels.transport import DeviceShare
 
         return DeviceShare(self.num_sms_per_rank, exclusive=True, empty=self.empty,
-                           load=lambda specs: self.load_kernels(rank, specs), guarded=self.guard_bytes > 0)  # fmt: skip
+                           load=lambda specs: self.load_kernels(rank, specs), guarded=self.guard_bytes > 0,
+                           shared=self.num_ranks > 1)  # fmt: skip
 
     def _exchange(self, rank: int, value: Any, what: str) -> list[Any]:
         key = ("internal", self._internal_calls[rank])

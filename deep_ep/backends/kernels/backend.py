@@ -125,7 +125,10 @@ class NvlinkBackend(EPBackend):
         if comm_stream is None or not plain or not steady_enabled() or os.environ.get("EP_CHECK_VALUES") == "1":
             return None
         module, _ = steady_module()
-        return None if module is None else SteadyPath(module, runtime, comm_stream, buffer_id)
+        if module is None:
+            return None
+        # A graph is built only on a GPU of this rank's own (`SteadyPath.graphs_refused`)
+        return SteadyPath(module, runtime, comm_stream, buffer_id, own_gpu=not runtime.share.shared)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         num_local_experts = request.num_experts // self.config.num_ranks

@@ -324,13 +324,18 @@ class SteadyPath:
     and `.combine` ask it first). One thread at a time, like the buffer."""
 
     def __init__(self, module: ModuleType, runtime: NvlinkRuntime, comm_stream: torch.cuda.Stream,
-                 buffer_id: int) -> None:  # fmt: skip
+                 buffer_id: int, own_gpu: bool = True) -> None:  # fmt: skip
+        """`own_gpu`: no other rank's kernels run on this GPU (else no graphs: `graphs_refused`)."""
         self.module = module
         self.runtime = runtime
         self.comm_stream = comm_stream
         self.buffer_id = buffer_id
         self.entries: dict[tuple, Entry | None] = {}  # None: the shape cannot take the steady path
-        self.use_graphs = graphs_enabled()
+        # Building a graph may wait for the kernels on the device: with virtual ranks those can be
+        # peers waiting for this rank's next launch (seen at EP4 and EP8 as timeouts), so ranks that
+        # share a GPU launch kernel by kernel
+        self.graphs_refused = None if own_gpu else "the GPU runs other ranks' kernels (virtual ranks)"
+        self.use_graphs = graphs_enabled() and own_gpu
         self.declined: dict[tuple, str] = {}  # why, per such shape
         # The calls' way in (steady_front.cpp): keys, inputs and replays in C++, which reads the host
         # memory the device writes (error words, a CPU-sync dispatch's counts and their ready word)
@@ -373,7 +378,9 @@ class SteadyPath:
     def set_graphs(self, on: bool) -> None:
         """Launch each program's kernels as one graph (`on`) or one by one, from the next call on,
         for the programs recorded so far and later ones. Builds the graphs not built yet: call it
-        between collective calls (with virtual ranks, building may wait for the peers' kernels)."""
+        between collective calls. A buffer whose GPU runs other ranks' kernels stays kernel by kernel
+        (`graphs_refused`)."""
+        on = on and self.graphs_refused is None
         self.use_graphs = on
         for program in self.programs():
             program.use_graph = on

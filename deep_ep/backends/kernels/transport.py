@@ -81,6 +81,8 @@ class DeviceShare:
         load: loads the kernels of `specs` (one operation's, before its first launch).
         guarded: `empty` surrounds each output with guard bytes (`LoopbackWorld(guard_bytes=...)`),
             which the steady path's own allocations would not.
+        shared: other ranks' kernels run on this GPU too (virtual ranks), so a driver call that waits
+            for the device's kernels (building a CUDA graph) can wait for a peer that waits for us.
     """
 
     num_sms: int
@@ -88,6 +90,7 @@ class DeviceShare:
     empty: Callable[..., torch.Tensor] = torch.empty
     load: Callable[[Sequence[Any]], list[Any]] = _load_each
     guarded: bool = False
+    shared: bool = False
 
     @classmethod
     def whole_device(cls) -> DeviceShare:
