@@ -174,7 +174,7 @@ struct Program {
     std::optional<c10::Event> compute_ready;  // the compute stream's point the comm stream waits for
     uint64_t num_runs = 0;
     std::array<uint64_t, kNumPhases> phase_ns{};
-    // The launches as one CUDA graph (steady_graph.cpp), built at the first run that may use it
+    // The launches as one CUDA graph (steady_graph.cpp), built by `build_graph` after the recording call
     bool use_graph = true;
     std::shared_ptr<ProgramGraph> graph;
     std::string graph_problem;  // why the launches go kernel by kernel (empty: they need not)
