@@ -98,15 +98,15 @@ def _copy(value: Any) -> Any:
     return None if value is None else value.clone()
 
 
-def _moved(make_call: Callable[[int], Any]) -> Callable[[], Any]:
-    """A call that takes the `i`-th copy of its inputs in turn (`make_call(i)`), and keeps the results
-    of the last `NUM_MOVED` calls: each call's inputs and outputs are at addresses the previous one's
-    were not."""
-    kept: collections.deque = collections.deque(maxlen=NUM_MOVED)
-    turns = itertools.cycle(range(NUM_MOVED))
+def _moved(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
+    """A call that makes each of `calls` (the same call on different copies of its inputs) in turn and
+    keeps the results of the last `len(calls)`: each call's inputs and outputs are at addresses the
+    previous one's were not."""
+    kept: collections.deque = collections.deque(maxlen=len(calls))
+    turns = itertools.cycle(calls)
 
     def call() -> Any:
-        result = make_call(next(turns))
+        result = next(turns)()
         kept.append(result)
         return result
 
@@ -217,21 +217,19 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
     recv_rows = expert_rows[: handle.num_recv_tokens]
     if on_gpu:  # what is timed is first checked against the reference (on CPU ranks it is the reference)
         _check_against_reference(case, buffer, out, x, routed, recv_rows, group)
-    calls = {
-        "dispatch_no_sync": lambda: buffer.dispatch(x, do_cpu_sync=False, **routed),
-        "dispatch_cpu_sync": lambda: buffer.dispatch(x, **routed),
-        "cached_dispatch": lambda: buffer.dispatch(x, handle=handle),
-        "combine": lambda: buffer.combine(recv_rows, handle),
-    }
-    copies = [(_copy(x), _copy(topk_idx), _copy(weights), _copy(recv_rows)) for _ in range(NUM_MOVED)]
-    moved_calls = {
-        "dispatch_no_sync": lambda i: buffer.dispatch(copies[i][0], topk_idx=copies[i][1], topk_weights=copies[i][2],
-                                                      do_cpu_sync=False, **kwargs),
-        "dispatch_cpu_sync": lambda i: buffer.dispatch(copies[i][0], topk_idx=copies[i][1], topk_weights=copies[i][2],
-                                                       **kwargs),
-        "cached_dispatch": lambda i: buffer.dispatch(copies[i][0], handle=handle),
-        "combine": lambda i: buffer.combine(copies[i][3], handle),
-    }  # fmt: skip
+
+    def op_calls(x: Any, topk_idx: Any, weights: Any, rows: torch.Tensor) -> dict[str, Callable[[], Any]]:
+        """The timed calls on these inputs (the given ones, or copies of them at other addresses)."""
+        routed = dict(topk_idx=topk_idx, topk_weights=weights, **kwargs)
+        return {
+            "dispatch_no_sync": lambda: buffer.dispatch(x, do_cpu_sync=False, **routed),
+            "dispatch_cpu_sync": lambda: buffer.dispatch(x, **routed),
+            "cached_dispatch": lambda: buffer.dispatch(x, handle=handle),
+            "combine": lambda: buffer.combine(rows, handle),
+        }
+
+    calls = op_calls(x, topk_idx, weights, recv_rows)
+    copies = [op_calls(*map(_copy, (x, topk_idx, weights, recv_rows))) for _ in range(NUM_MOVED)]
     drain = wait_for_stream if on_gpu else lambda: None  # CPU ranks: every call returns done
     steady = getattr(buffer, "_steady", None)  # the kernels' replays of recorded shapes
 
@@ -256,7 +254,7 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
         times[op] = _time_call(calls[op], align, drain, config.num_warmups, config.num_iters)
         calls_after, phases_after, waits_after, wait_ns_after = served()
         graphs_after = graph_updates()
-        moved = _time_call(_moved(moved_calls[op]), align, drain, config.num_warmups, config.num_iters)
+        moved = _time_call(_moved([c[op] for c in copies]), align, drain, config.num_warmups, config.num_iters)
         graphs_moved = graph_updates()
         times[op]["host_wall_moved_us"] = moved["host_wall_us"]
         # Graph launches and node parameter updates of the replays' programs over the num_warmups +
@@ -283,7 +281,7 @@ def _host_case(case: BenchCase, buffer: Any, rank: int, group: dist.ProcessGroup
             else None
         )
         if config.host_graph_ab_rounds and steady is not None and steady.graphs_refused is None:
-            times[op]["graph_ab"] = _graph_ab(steady, calls[op], _moved(moved_calls[op]), align, drain, config)
+            times[op]["graph_ab"] = _graph_ab(steady, calls[op], _moved([c[op] for c in copies]), align, drain, config)
         if config.host_soak_calls:
             times[op].update(_soak(calls[op], align, drain, config.host_soak_calls, on_gpu))
     profiles = {}
